@@ -1,0 +1,32 @@
+"""The ``gradmap`` command: ``gradmap demo`` and ``gradmap bench``."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+_USAGE = """usage: gradmap {demo,bench} [options]
+
+  demo    a small ragged-data example: loop vs tmap time and the gradient difference
+  bench   the benchmark workloads (gradmap bench --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``gradmap <command>``; returns the exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from ._demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "bench":
+        from .bench.cli import main as bench_main
+
+        return bench_main(rest)
+    print(f"gradmap: unknown command {command!r}; expected one of ['bench', 'demo']", file=sys.stderr)
+    return 2

@@ -1,0 +1,155 @@
+"""Running the chunks of one pass (forward or backward) on an executor.
+
+Framework-free: a chunk is an index and a callable; what happens inside is the adapter's business.
+
+One pass is a [`ChunkRun`][]: a counter of chunks not yet claimed, the results, and the first
+failure. The caller's thread and up to ``workers - 1`` helpers claim chunks from the counter until
+none are left (see NOTE [caller helps, no deadlock] in ``_executors``). When a chunk fails, no new
+chunk is claimed and chunks already running stop before their next element; the caller waits for
+them, so nothing is left running or half-done when the error reaches it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Generic, TypeVar
+
+from ._executors import Executor
+
+__all__ = ["ChunkRun", "run_chunks"]
+
+T = TypeVar("T")
+
+#: Builds the context a thread enters before it runs chunks of a pass; its argument says whether
+#: the thread is the caller's (which already has the caller's state) or a helper's.
+ThreadContext = Callable[[bool], AbstractContextManager[object]]
+
+
+def _no_context(is_caller: bool) -> AbstractContextManager[object]:
+    return nullcontext()
+
+
+class ChunkRun(Generic[T]):
+    """One pass over the chunks; shared by the threads working on it.
+
+    Attributes:
+        cancelled: set once a chunk failed (or the caller was interrupted); a chunk in progress
+            should check it between elements and return early.
+    """
+
+    def __init__(self, order: Sequence[int], run_chunk: Callable[[int, ChunkRun[T]], T]) -> None:
+        self.cancelled = False
+        self._order = order
+        self._run_chunk: Callable[[int, ChunkRun[T]], T] | None = run_chunk
+        self._results: list[T | None] = [None] * len(order)
+        self._failures: dict[int, BaseException] = {}
+        self._claimed = 0
+        self._done = 0
+        self._cond = threading.Condition()
+
+    def _claim(self) -> int | None:
+        with self._cond:
+            if self.cancelled or self._claimed >= len(self._order):
+                return None
+            k = self._claimed
+            self._claimed += 1
+            return self._order[k]
+
+    def work(self, context: AbstractContextManager[object]) -> None:
+        """Claim and run chunks until none are left; the body of every thread of the pass."""
+        try:
+            with context:
+                while (chunk := self._claim()) is not None:
+                    self._run_one(chunk)
+        except BaseException as exc:  # a failure of the context itself
+            with self._cond:
+                self._failures.setdefault(-1, exc)
+                self.cancelled = True
+
+    def _run_one(self, chunk: int) -> None:
+        run_chunk = self._run_chunk
+        try:
+            assert run_chunk is not None
+            self._results[chunk] = run_chunk(chunk, self)
+        except BaseException as exc:
+            with self._cond:
+                self._failures[chunk] = exc
+                self.cancelled = True
+        finally:
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.cancelled = True
+
+    def wait(self) -> None:
+        """Wait for every claimed chunk to finish (only claimed ones: see the module note)."""
+        with self._cond:
+            while self._done < self._claimed:
+                self._cond.wait()
+
+    def finish(self) -> list[T]:
+        """The results in chunk order, or the first failure raised; then forget everything."""
+        failures, results = self._failures, self._results
+        self._run_chunk = None
+        self._results = []
+        self._failures = {}
+        if failures:
+            # An interrupt or exit wins over ordinary errors; among those, the lowest chunk (and so
+            # the lowest element) is reported.
+            severe = [k for k, e in failures.items() if not isinstance(e, Exception)]
+            raise failures[min(severe) if severe else min(failures)]
+        return results  # type: ignore[return-value]
+
+
+def run_chunks(
+    executor: Executor,
+    count: int,
+    run_chunk: Callable[[int, ChunkRun[T]], T],
+    *,
+    reverse: bool = False,
+    context: ThreadContext = _no_context,
+) -> list[T]:
+    """Run ``run_chunk(k, run)`` for every chunk ``k`` on ``executor`` and the caller's thread.
+
+    Arguments:
+        executor: where helpers run.
+        count: the number of chunks.
+        run_chunk: runs one chunk; it may return early when ``run.cancelled`` is set.
+        reverse: claim chunks from the last to the first.
+        context: the context each participating thread enters around its work.
+
+    Returns:
+        The results, in chunk order (whatever order they ran in).
+
+    Raises:
+        The first failure of a chunk, after every chunk that was running has stopped.
+    """
+    order: Sequence[int] = range(count - 1, -1, -1) if reverse else range(count)
+    run: ChunkRun[T] = ChunkRun(order, run_chunk)
+    try:
+        for _ in range(min(executor.workers, count) - 1):
+            executor.submit(lambda: run.work(context(False)))
+        run.work(context(True))
+    except BaseException:
+        # A submit that failed, or an interrupt in the caller outside any chunk: stop the rest.
+        run.cancel()
+        _wait_uninterrupted(run)
+        run.finish()  # raises a chunk's failure if one came first
+        raise
+    _wait_uninterrupted(run)
+    return run.finish()
+
+
+def _wait_uninterrupted(run: ChunkRun[T]) -> None:
+    """Wait for the helpers; an interrupt while waiting cancels the rest, then still waits."""
+    try:
+        run.wait()
+    except BaseException:
+        run.cancel()
+        run.wait()
+        raise

@@ -1,0 +1,203 @@
+"""Executors: where the chunks of a map run.
+
+gradmap needs very little from an executor: a way to start a *helper* (a callable that pulls
+chunks from a shared counter until none are left) and a few facts about it, stated as class
+attributes in the manner of joblib's backends. The caller's own thread always works too, so an
+executor may run fewer helpers than asked, or none, and a map still finishes.
+
+NOTE [caller helps, no deadlock]:
+    A map never waits on a chunk that nobody has started. The caller submits ``workers - 1``
+    helpers and then claims chunks itself; it only ever waits for chunks that another thread has
+    already claimed and is running. A ``tmap`` called from inside ``f`` (nested) therefore cannot
+    deadlock, however small or busy the pool: in the worst case the nested call's caller runs every
+    nested chunk itself while its helpers sit in the queue, and those helpers find nothing left to
+    do when they finally start.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
+from typing import ClassVar
+
+__all__ = [
+    "Executor",
+    "SerialExecutor",
+    "ThreadExecutor",
+    "FuturesExecutor",
+    "available_cores",
+    "resolve_executor",
+]
+
+
+def available_cores() -> int:
+    """The number of CPU cores this process may run on (its affinity mask, not the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Executor:
+    """The protocol gradmap runs chunks on.
+
+    Subclasses set the capability attributes and implement [`submit`][]. ``workers`` is the number
+    of threads, the caller's included, that may run chunks of one map at once.
+
+    Attributes:
+        shares_memory: chunks run in the caller's process, so a chunk's autograd graph can stay where
+            it was built and be pulled back later by the same or another thread.
+        reverse_backward: pull chunks back in reverse element order (the serial reference does,
+            as ChainRules' ``map`` rule does, for an ``f`` with state across elements).
+    """
+
+    shares_memory: ClassVar[bool] = True
+    reverse_backward: ClassVar[bool] = False
+    name: ClassVar[str] = "executor"
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def submit(self, helper: Callable[[], None]) -> None:
+        """Start ``helper`` on another thread. It is never required to run."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(workers={self.workers})"
+
+
+class SerialExecutor(Executor):
+    """The reference: every chunk runs in the caller's thread, in element order; the backward
+    runs in reverse element order."""
+
+    reverse_backward = True
+    name = "serial"
+
+    def __init__(self, workers: int | None = None) -> None:
+        super().__init__(1)
+
+    def submit(self, helper: Callable[[], None]) -> None:  # pragma: no cover - never called
+        raise AssertionError("the serial executor has no helpers")
+
+
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _shared_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide pool with ``threads`` threads, created on first use and reused after.
+
+    Threads start lazily (as the pool needs them) and are joined at interpreter exit.
+    """
+    pool = _pools.get(threads)
+    if pool is None:
+        with _pools_lock:
+            pool = _pools.get(threads)
+            if pool is None:
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=threads, thread_name_prefix=f"gradmap-{threads}"
+                )
+                _pools[threads] = pool
+    return pool
+
+
+class ThreadExecutor(Executor):
+    """The default: a shared, lazily created thread pool, reused across calls.
+
+    ``workers`` counts the caller: ``workers=4`` runs chunks on the caller and three pool threads.
+    """
+
+    name = "threads"
+
+    def __init__(self, workers: int | None = None) -> None:
+        super().__init__(available_cores() if workers is None else workers)
+
+    def submit(self, helper: Callable[[], None]) -> None:
+        _shared_pool(self.workers - 1).submit(helper)
+
+
+class FuturesExecutor(Executor):
+    """A user's `concurrent.futures.Executor`, used as given and never shut down by gradmap."""
+
+    name = "futures"
+
+    def __init__(self, executor: concurrent.futures.Executor, workers: int | None = None) -> None:
+        if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
+            raise TypeError(
+                "gradmap.tmap: a ProcessPoolExecutor cannot hold the autograd graph of a chunk "
+                "between the forward and the backward (it does not share memory with the caller). "
+                "Use executor=None (threads), a ThreadPoolExecutor, or gradmap's Ray executor."
+            )
+        if _is_shut_down(executor):
+            raise RuntimeError(
+                f"gradmap.tmap: the executor {executor!r} has been shut down. Pass an executor "
+                "that is still running, or executor=None for gradmap's shared thread pool."
+            )
+        if workers is None:
+            workers = getattr(executor, "_max_workers", None) or available_cores()
+            workers = int(workers) + 1  # its threads, and the caller
+        super().__init__(workers)
+        self.executor = executor
+
+    def submit(self, helper: Callable[[], None]) -> None:
+        try:
+            self.executor.submit(helper)
+        except RuntimeError as exc:
+            if _is_shut_down(self.executor) or "shutdown" in str(exc):
+                raise RuntimeError(
+                    f"gradmap.tmap: the executor {self.executor!r} was shut down during the call. "
+                    "Pass an executor that stays running, or executor=None."
+                ) from exc
+            raise
+
+    def __repr__(self) -> str:
+        return f"FuturesExecutor({self.executor!r}, workers={self.workers})"
+
+
+def _is_shut_down(executor: concurrent.futures.Executor) -> bool:
+    return bool(getattr(executor, "_shutdown", False) or getattr(executor, "_broken", False))
+
+
+_NAMES: dict[str, type[Executor]] = {"threads": ThreadExecutor, "serial": SerialExecutor}
+
+
+def resolve_executor(executor: object, workers: int | None) -> Executor:
+    """Turn ``tmap``'s ``executor`` and ``workers`` arguments into an [`Executor`][].
+
+    Arguments:
+        executor: ``None`` or ``"threads"`` (the shared pool), ``"serial"``, a gradmap
+            [`Executor`][], or any `concurrent.futures.Executor`.
+        workers: threads that may run chunks at once, the caller's included; ``None`` for the
+            executor's own default (the available cores for the shared pool).
+
+    Returns:
+        The executor to run chunks on.
+    """
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise TypeError(f"gradmap.tmap: workers must be an int or None, got {workers!r}")
+        if workers < 1:
+            raise ValueError(
+                f"gradmap.tmap: workers must be at least 1, got {workers}; "
+                "pass workers=None for the available cores"
+            )
+    if executor is None:
+        return ThreadExecutor(workers)
+    if isinstance(executor, str):
+        cls = _NAMES.get(executor)
+        if cls is None:
+            raise ValueError(
+                f"gradmap.tmap: unknown executor {executor!r}; expected one of "
+                f"{sorted(_NAMES)}, a concurrent.futures.Executor, or a gradmap.Executor"
+            )
+        return cls(workers)
+    if isinstance(executor, Executor):
+        return executor
+    if isinstance(executor, concurrent.futures.Executor):
+        return FuturesExecutor(executor, workers)
+    raise TypeError(
+        f"gradmap.tmap: executor must be None, a name (one of {sorted(_NAMES)}), a "
+        f"concurrent.futures.Executor or a gradmap.Executor; got {type(executor).__name__}"
+    )

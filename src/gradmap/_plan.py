@@ -1,0 +1,61 @@
+"""The chunk plan: which elements travel together.
+
+NOTE [chunk boundaries depend on the element count only]:
+    Parameter gradients are summed inside a chunk by the autograd engine and across chunks by
+    gradmap, in chunk order. For the sum to be bitwise the same for every worker count and every
+    run, the chunks must be too: their boundaries are a function of ``n`` (and of an explicit
+    ``chunksize``) and of nothing else -- not the worker count, not the cores, not timing.
+
+    The automatic size aims at about ``TARGET_CHUNKS`` chunks: enough that workers rarely idle at
+    the end of a ragged map on many cores, few enough that the per-chunk costs (one
+    ``autograd.grad`` call, one stand-in per captured tensor, one addition per parameter in the
+    reduction) stay small next to the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TARGET_CHUNKS", "ChunkPlan", "plan_chunks"]
+
+TARGET_CHUNKS = 64
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Elements ``0..n-1`` cut into consecutive chunks of ``size`` (the last may be shorter)."""
+
+    n: int
+    size: int
+
+    @property
+    def count(self) -> int:
+        return -(-self.n // self.size) if self.n else 0
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.size
+        return start, min(start + self.size, self.n)
+
+
+def plan_chunks(n: int, chunksize: int | None = None) -> ChunkPlan:
+    """Cut ``n`` elements into chunks.
+
+    Arguments:
+        n: the number of elements.
+        chunksize: elements per chunk; ``None`` for about ``TARGET_CHUNKS`` chunks.
+
+    Returns:
+        The plan.
+    """
+    if chunksize is None:
+        size = max(1, -(-n // TARGET_CHUNKS))
+    else:
+        if isinstance(chunksize, bool) or not isinstance(chunksize, int):
+            raise TypeError(f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}")
+        if chunksize < 1:
+            raise ValueError(
+                f"gradmap.tmap: chunksize must be at least 1, got {chunksize}; "
+                "pass chunksize=None to let gradmap choose"
+            )
+        size = chunksize
+    return ChunkPlan(n, size)

@@ -1,0 +1,202 @@
+"""Capture: find the tensors ``f`` uses that were made outside it, and cut them per chunk.
+
+NOTE [capturing closure tensors]:
+    The gradient contract covers every tensor ``f`` *uses* that requires grad and was created
+    outside it: module parameters, closure and global tensors, attributes, non-leaf tensors
+    computed before the call. Python gives no list of those, so a chunk runs ``f`` under a
+    ``TorchFunctionMode`` (entered in the worker's thread: modes are per thread) that sees every
+    tensor handed to a torch function, method or operator. A tensor that requires grad and was
+    not produced inside the current element (nor is one of its item stand-ins) is *foreign*: it is
+    replaced, for the rest of the chunk, by a stand-in ``s = t.view_as(t)`` made once per chunk.
+
+    Why a stand-in and not the tensor itself: the chunk's backward asks for gradients with respect
+    to the stand-ins, which stops the engine there. Asking with respect to the original tensors
+    would, when one of them is computed from another outside ``f`` (``b = 2 * a``), count ``a``'s
+    gradient twice and run the shared graph above them once per chunk (shared notes, trap 8). The
+    originals become inputs of the join node instead, so the outer engine runs their graph once,
+    with the summed gradient.
+
+    Why a view and not a detached copy: a view stays connected to the original, so a
+    ``create_graph=True`` backward of the chunk builds a graph that reaches the originals, and
+    double backward is exact (shared notes, trap 5).
+
+    ``autograd.Function.apply`` is not a torch function: a user's custom Function would wire its
+    node to the original tensor and the gradient would be lost silently (trap 7). gradmap wraps
+    ``Function.apply`` once, process-wide; the wrapper does nothing unless the calling thread is
+    inside a capture, and then routes the arguments like any other call. The same wrapper routes
+    the arguments of the join node of a ``tmap`` nested inside ``f``.
+
+    Identity of "produced inside the element" is by ``id()``, so the capture keeps a strong
+    reference to each tensor it registers until the element ends (trap 9).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Capture", "install_apply_hook"]
+
+Tensor = torch.Tensor
+
+_tls = threading.local()
+
+
+def _stack() -> list[Capture]:
+    stack: list[Capture] | None = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    return stack
+
+
+class Capture(TorchFunctionMode):
+    """The capture of one chunk: its stand-ins, in the order the chunk first used them.
+
+    Attributes:
+        originals: the foreign tensors the chunk used.
+        standins: their stand-ins, in the same order.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.originals: list[Tensor] = []
+        self.standins: list[Tensor] = []
+        self._standin_of: dict[int, Tensor] = {}
+        self._chunk_local: set[int] = set()
+        self._chunk_keep: list[Tensor] = []
+        self._elem_local: set[int] = set()
+        self._elem_keep: list[Tensor] = []
+        self._quiet = False  # while set, the mode passes calls through untouched
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def begin_element(self) -> None:
+        """Forget the tensors of the previous element (only their ids were needed)."""
+        self._elem_local = set()
+        self._elem_keep = []
+
+    def _is_foreign(self, t: Tensor) -> bool:
+        i = id(t)
+        return t.requires_grad and i not in self._elem_local and i not in self._chunk_local
+
+    def _view(self, t: Tensor) -> Tensor:
+        quiet, self._quiet = self._quiet, True
+        try:
+            try:
+                return t.view_as(t)
+            except RuntimeError:  # layouts without views (sparse, ...)
+                return t.clone()
+        finally:
+            self._quiet = quiet
+
+    def item_standin(self, t: Tensor) -> Tensor:
+        """A stand-in for an item tensor of the current chunk."""
+        s = self._view(t)
+        self._chunk_local.add(id(s))
+        self._chunk_keep.append(s)
+        return s
+
+    def standin(self, t: Tensor) -> Tensor:
+        """The stand-in of foreign tensor ``t``, made on its first use in this chunk."""
+        s = self._standin_of.get(id(t))
+        if s is None:
+            s = self._view(t)
+            self._standin_of[id(t)] = s
+            self.originals.append(t)  # also keeps id(t) from being reused
+            self.standins.append(s)
+            self._chunk_local.add(id(s))
+        return s
+
+    def route(self, obj: Any) -> Any:
+        """``obj`` with foreign tensors replaced by their stand-ins (tensors, lists, tuples,
+        dicts, nested); ``obj`` itself when nothing is foreign."""
+        if isinstance(obj, Tensor):
+            return self.standin(obj) if self._is_foreign(obj) else obj
+        if type(obj) in (list, tuple):
+            routed = [self.route(x) for x in obj]
+            if any(r is not x for r, x in zip(routed, obj)):
+                return type(obj)(routed)
+            return obj
+        if type(obj) is dict:
+            routed_d = {k: self.route(v) for k, v in obj.items()}
+            if any(routed_d[k] is not v for k, v in obj.items()):
+                return routed_d
+            return obj
+        return obj
+
+    def register(self, out: Any) -> None:
+        """Mark what an op returned as produced inside the element."""
+        if isinstance(out, Tensor):
+            if out.requires_grad:
+                self._elem_local.add(id(out))
+                self._elem_keep.append(out)
+        elif type(out) in (list, tuple):
+            for o in out:
+                self.register(o)
+
+    # -- the mode ----------------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if kwargs is None:
+            kwargs = {}
+        if self._quiet:
+            return func(*args, **kwargs)
+        args = self.route(args)
+        if kwargs:
+            kwargs = self.route(kwargs)
+        out = func(*args, **kwargs)
+        self.register(out)
+        return out
+
+    def __enter__(self) -> Capture:
+        super().__enter__()
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _stack().pop()
+        super().__exit__(*exc)
+
+
+# -- autograd.Function.apply ----------------------------------------------------------------
+
+_hook_lock = threading.Lock()
+_original_apply: Any = None
+
+
+def _apply_routed(cls: type, *args: Any, **kwargs: Any) -> Any:
+    stack = getattr(_tls, "stack", None)
+    if not stack:
+        return _original_apply.__func__(cls, *args, **kwargs)
+    capture = stack[-1]
+    if capture._quiet:
+        return _original_apply.__func__(cls, *args, **kwargs)
+    # Routing reads attributes of tensors, which would reach the mode itself: keep it quiet.
+    capture._quiet = True
+    try:
+        args = capture.route(args)
+        if kwargs:
+            kwargs = capture.route(kwargs)
+    finally:
+        capture._quiet = False
+    out = _original_apply.__func__(cls, *args, **kwargs)
+    capture._quiet = True
+    try:
+        capture.register(out)
+    finally:
+        capture._quiet = False
+    return out
+
+
+def install_apply_hook() -> None:
+    """Route the arguments of ``torch.autograd.Function.apply`` inside captures (idempotent)."""
+    global _original_apply
+    if _original_apply is not None:
+        return
+    with _hook_lock:
+        if _original_apply is None:
+            _original_apply = torch.autograd.Function.__dict__["apply"]
+            torch.autograd.Function.apply = classmethod(_apply_routed)  # type: ignore[assignment,method-assign]

@@ -1,0 +1,384 @@
+"""The rule: forward in chunks, one join node, per-chunk pullbacks in parallel, a fixed-order sum.
+
+NOTE [the join node]:
+    Each chunk runs ``f`` on its elements in a worker thread, under grad mode, on stand-ins of the
+    item tensors and of the foreign tensors ``f`` uses (see NOTE [capturing closure tensors]). The
+    chunk's autograd graph stays where it was built. One ``autograd.Function`` -- the join --
+    then takes as inputs every item tensor that requires grad and every foreign tensor any chunk
+    used, and returns detached aliases of every differentiable result, so the user's graph sees the
+    whole map as one node. Its inputs are only known once ``f`` has run, which is why the chunks run
+    before ``apply`` and the join's forward merely hands their results out.
+
+    The join's backward splits the cotangents by chunk and runs, on the executor, one
+    ``autograd.grad`` per chunk with respect to the chunk's stand-ins (one engine call per chunk is
+    cheaper than one per element, shared notes, trap 4; the engine releases the GIL, so chunks pull
+    back in parallel). Elements whose cotangents are all missing or zero are left out, so they do no
+    backward work. Item gradients go back to their items; the gradients of a foreign tensor are
+    summed over chunks in chunk order, so the sum is the same for any number of workers.
+
+    ``retain_graph``: the chunk graphs are always pulled back with ``retain_graph=True`` (so that a
+    failing chunk can be re-run element by element to name the failing element), and dropped after
+    the backward unless the outer call keeps the graph. A second backward then fails with PyTorch's
+    own error, raised by the join's saved (dummy) tensor. ``create_graph``: the join's backward
+    runs with grad mode on, the chunk pullbacks build their graphs through the stand-in views to the
+    originals, and double backward is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._engine import ChunkRun, run_chunks
+from .._errors import add_note, element_note
+from .._executors import Executor
+from .._plan import ChunkPlan
+from .._tree import Spec, flatten, unflatten
+from ._capture import Capture, install_apply_hook
+from ._state import ThreadState
+
+__all__ = ["map_torch"]
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class _Element:
+    """One element's results: the flattened leaves and which of them are join outputs."""
+
+    leaves: list[Any]
+    spec: Spec
+    diff: list[int]  # positions in ``leaves`` of the differentiable outputs
+    items: tuple[int, int]  # its range in the chunk's item lists
+    outputs: tuple[int, int]  # its range in the chunk's output list
+
+
+@dataclass
+class _Chunk:
+    """What a chunk's forward leaves for its backward."""
+
+    indices: list[int]  # the elements it ran, in order
+    elements: list[_Element] = field(default_factory=list)
+    item_originals: list[Tensor] = field(default_factory=list)
+    item_standins: list[Tensor] = field(default_factory=list)
+    outputs: list[Tensor] = field(default_factory=list)
+    originals: list[Tensor] = field(default_factory=list)
+    standins: list[Tensor] = field(default_factory=list)
+
+
+class _MapGraph:
+    """The state shared by the join node's forward and backward."""
+
+    def __init__(
+        self, f: Any, elements: list[tuple[Any, ...]], executor: Executor, chunks: list[_Chunk]
+    ) -> None:
+        self.f = f
+        self.elements = elements  # kept for a create_graph backward, which recomputes
+        self.executor = executor
+        self.n = len(elements)
+        self.chunks: list[_Chunk] | None = chunks
+        # Where each chunk's foreign tensors sit among the join's captured inputs.
+        self.captured: list[Tensor] = []
+        self.captured_pos: list[list[int]] = []
+        index: dict[int, int] = {}
+        for chunk in chunks:
+            positions = []
+            for t in chunk.originals:
+                p = index.get(id(t))
+                if p is None:
+                    p = index[id(t)] = len(self.captured)
+                    self.captured.append(t)
+                positions.append(p)
+            self.captured_pos.append(positions)
+        self.item_inputs = [t for chunk in chunks for t in chunk.item_originals]
+        self.outputs = [t for chunk in chunks for t in chunk.outputs]
+        bounds, lo = [], 0
+        for chunk in chunks:
+            bounds.append((lo, lo + len(chunk.outputs)))
+            lo += len(chunk.outputs)
+        self.output_bounds = bounds
+
+
+def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan) -> list:
+    """``[f(*args) for args in elements]`` on ``executor``, differentiable as the loop is.
+
+    Arguments:
+        f: the function.
+        elements: the argument tuples, one per element.
+        executor: where chunks run.
+        plan: the chunk plan for ``len(elements)``.
+
+    Returns:
+        The results, in element order.
+    """
+    n = len(elements)
+    state = ThreadState(executor.workers)
+    if not (torch.is_grad_enabled() and not state.inference):
+        return _map_without_graph(f, elements, executor, plan, state)
+
+    install_apply_hook()
+
+    def forward_chunk(k: int, run: ChunkRun[_Chunk]) -> _Chunk:
+        return _forward_elements(f, elements, range(*plan.bounds(k)), run)
+
+    chunks = run_chunks(executor, plan.count, forward_chunk, context=state.enter)
+    graph = _MapGraph(f, elements, executor, chunks)
+    inputs = graph.item_inputs + graph.captured
+    if graph.outputs and inputs:
+        joined = _Join.apply(graph, *inputs)
+    else:  # nothing to differentiate through the map: the results stand as f made them
+        joined = graph.outputs
+    results: list[Any] = []
+    j = 0
+    for chunk in chunks:
+        for el in chunk.elements:
+            for pos in el.diff:
+                el.leaves[pos] = joined[j]
+                j += 1
+            results.append(unflatten(el.leaves, el.spec))
+    return results
+
+
+def _map_without_graph(
+    f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan, state: ThreadState
+) -> list:
+    n = len(elements)
+
+    def chunk_results(k: int, run: ChunkRun[list]) -> list:
+        start, stop = plan.bounds(k)
+        out = []
+        for i in range(start, stop):
+            if run.cancelled:
+                break
+            try:
+                out.append(f(*elements[i]))
+            except BaseException as exc:
+                add_note(exc, element_note(i, n, "forward"))
+                raise
+        return out
+
+    chunks = run_chunks(executor, plan.count, chunk_results, context=state.enter)
+    return [y for chunk in chunks for y in chunk]
+
+
+def _forward_elements(
+    f: Any, elements: list[tuple[Any, ...]], indices: Sequence[int], run: ChunkRun[Any] | None
+) -> _Chunk:
+    """Run ``f`` on ``elements[i] for i in indices`` under one capture: a chunk's forward."""
+    capture = Capture()
+    chunk = _Chunk(list(indices))
+    n = len(elements)
+    for i in indices:
+        if run is not None and run.cancelled:
+            break
+        item_lo = len(chunk.item_originals)
+        args = []
+        for arg in elements[i]:
+            leaves, spec = flatten(arg)
+            changed = False
+            for j, leaf in enumerate(leaves):
+                if isinstance(leaf, Tensor) and leaf.requires_grad:
+                    s = capture.item_standin(leaf)
+                    chunk.item_originals.append(leaf)
+                    chunk.item_standins.append(s)
+                    leaves[j] = s
+                    changed = True
+            args.append(unflatten(leaves, spec) if changed else arg)
+        capture.begin_element()
+        try:
+            with capture:
+                y = f(*args)
+        except BaseException as exc:
+            add_note(exc, element_note(i, n, "forward"))
+            raise
+        out_lo = len(chunk.outputs)
+        leaves, spec = flatten(y)
+        diff = []
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                leaf = capture.route(leaf)  # a foreign tensor returned as it is
+                chunk.outputs.append(leaf)
+                diff.append(j)
+        chunk.elements.append(
+            _Element(
+                leaves,
+                spec,
+                diff,
+                (item_lo, len(chunk.item_originals)),
+                (out_lo, len(chunk.outputs)),
+            )
+        )
+    capture.begin_element()
+    chunk.originals = capture.originals
+    chunk.standins = capture.standins
+    return chunk
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, graph: _MapGraph, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.graph = graph
+        ctx.set_materialize_grads(False)
+        with torch._C.DisableTorchFunction():
+            ctx.save_for_backward(torch.empty(0))
+            return tuple(t.detach() for t in graph.outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
+        graph: _MapGraph = ctx.graph
+        chunks = graph.chunks
+        assert chunks is not None
+        keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+        create_graph = torch.is_grad_enabled()
+        executor = graph.executor
+
+        def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
+            lo, hi = graph.output_bounds[k]
+            return _backward_chunk(graph, chunks[k], cotangents[lo:hi], create_graph)
+
+        state = ThreadState(executor.workers, grad_enabled=create_graph)
+        per_chunk = run_chunks(
+            executor,
+            len(chunks),
+            backward_chunk,
+            reverse=executor.reverse_backward,
+            context=state.enter,
+        )
+        item_grads: list[Tensor | None] = []
+        captured: list[Tensor | None] = [None] * len(graph.captured)
+        for chunk, positions, grads in zip(chunks, graph.captured_pos, per_chunk):
+            if grads is None:
+                item_grads.extend([None] * len(chunk.item_standins))
+                continue
+            n_items = len(chunk.item_standins)
+            item_grads.extend(grads[:n_items])
+            for p, g in zip(positions, grads[n_items:]):
+                if g is not None:
+                    total = captured[p]
+                    captured[p] = g if total is None else total + g
+        if not keep_graph:
+            graph.chunks = None
+            graph.f = graph.elements = None
+        return (None, *item_grads, *captured)
+
+
+def _nonzero(g: Tensor) -> bool:
+    if g.requires_grad or g.layout != torch.strided:
+        return True  # a zero cotangent that requires grad still carries a second-order term
+    return bool(g.any())
+
+
+def _backward_chunk(
+    graph: _MapGraph, chunk: _Chunk, cotangents: tuple[Tensor | None, ...], create_graph: bool
+) -> list[Tensor | None] | None:
+    """The pullback of one chunk: gradients for its item stand-ins, then its foreign stand-ins."""
+    outputs: list[Tensor] = []
+    grads_out: list[Tensor] = []
+    live: list[tuple[int, int, int]] = []  # (element index, range in outputs)
+    for e, el in enumerate(chunk.elements):
+        lo = len(outputs)
+        for o in range(*el.outputs):
+            g = cotangents[o]
+            if g is not None and _nonzero(g):
+                outputs.append(chunk.outputs[o])
+                grads_out.append(g)
+        if len(outputs) > lo:
+            live.append((e, lo, len(outputs)))
+    if not outputs:
+        return None
+    if create_graph:
+        return _backward_recomputed(graph, chunk, cotangents, live)
+    inputs = chunk.item_standins + chunk.standins
+    try:
+        return list(
+            torch.autograd.grad(
+                outputs, inputs, grads_out, retain_graph=True, allow_unused=True
+            )
+        )
+    except Exception as exc:
+        _raise_with_element(exc, chunk, outputs, grads_out, inputs, live, graph.n)
+        raise
+
+
+def _backward_recomputed(
+    graph: _MapGraph,
+    chunk: _Chunk,
+    cotangents: tuple[Tensor | None, ...],
+    live: list[tuple[int, int, int]],
+) -> list[Tensor | None]:
+    """A ``create_graph=True`` pullback, on a fresh forward of the chunk's live elements.
+
+    NOTE [double backward recomputes]:
+        A first-order gradient built with ``create_graph=True`` refers to tensors saved by the
+        forward graph. Built on the chunk's stored graph, a second-order backward would run that
+        graph's nodes twice -- directly, and again through the join (whose cotangent depends on the
+        map's results) -- and the first run frees what the second needs. A fresh forward of the
+        chunk gives the first-order gradient a graph of its own; the stored graph stays reserved
+        for the join. The fresh forward uses stand-ins that are views of the original tensors, so
+        the second-order gradients reach them exactly (shared notes, trap 5). ``f`` must therefore
+        be deterministic; see the remat issue for random ``f``.
+    """
+    assert graph.f is not None and graph.elements is not None
+    positions = [chunk.elements[e] for e, _, _ in live]
+    fresh = _forward_elements(graph.f, graph.elements, [chunk.indices[e] for e, _, _ in live], None)
+    outputs: list[Tensor] = []
+    grads_out: list[Tensor] = []
+    for el, new in zip(positions, fresh.elements):
+        for o, new_o in zip(range(*el.outputs), range(*new.outputs)):
+            g = cotangents[o]
+            if g is not None:
+                outputs.append(fresh.outputs[new_o])
+                grads_out.append(g)
+    grads = torch.autograd.grad(
+        outputs,
+        fresh.item_standins + fresh.standins,
+        grads_out,
+        create_graph=True,
+        allow_unused=True,
+    )
+    # Back to the stored chunk's layout: its item stand-ins, then its foreign stand-ins.
+    result: list[Tensor | None] = [None] * (len(chunk.item_standins) + len(chunk.standins))
+    for el, new in zip(positions, fresh.elements):
+        for i, new_i in zip(range(*el.items), range(*new.items)):
+            result[i] = grads[new_i]
+    where = {id(t): len(chunk.item_standins) + j for j, t in enumerate(chunk.originals)}
+    n_items = len(fresh.item_standins)
+    for t, g in zip(fresh.originals, grads[n_items:]):
+        j = where.get(id(t))
+        if j is None:
+            raise RuntimeError(
+                "gradmap.tmap: in a create_graph=True backward, f used a tensor that it did not use "
+                "in the forward. A double backward runs f again, so f must be deterministic."
+            )
+        result[j] = g
+    return result
+
+
+def _raise_with_element(
+    exc: Exception,
+    chunk: _Chunk,
+    outputs: list[Tensor],
+    grads_out: list[Tensor],
+    inputs: list[Tensor],
+    live: list[tuple[int, int, int]],
+    n: int,
+) -> None:
+    """Name the element whose backward raised: alone, or by pulling back one element at a time."""
+    if len(live) == 1:
+        add_note(exc, element_note(chunk.indices[live[0][0]], n, "backward"))
+        return
+    for e, lo, hi in live:
+        index = chunk.indices[e]
+        try:
+            torch.autograd.grad(
+                outputs[lo:hi], inputs, grads_out[lo:hi], retain_graph=True, allow_unused=True
+            )
+        except Exception as element_exc:
+            add_note(element_exc, element_note(index, n, "backward"))
+            raise element_exc from None
+    first, last = chunk.indices[live[0][0]], chunk.indices[live[-1][0]]
+    add_note(exc, f"gradmap.tmap: raised in the backward pass of elements {first}..{last} (of {n})")
