@@ -94,8 +94,7 @@ def _as_iterable(arg: Any, position: int) -> Iterable[Any]:
         iter(arg)
     except TypeError:
         raise TypeError(
-            f"gradmap.tmap: iterable {position} is not iterable "
-            f"(got {type(arg).__name__})"
+            f"gradmap.tmap: iterable {position} is not iterable (got {type(arg).__name__})"
         ) from None
     return arg
 
@@ -122,13 +121,12 @@ def zip_items(iterables: tuple[Iterable[Any], ...], strict: bool) -> list[tuple[
     """
     if not iterables:
         raise TypeError("gradmap.tmap: expected at least one iterable after f")
+    sources = [_as_iterable(a, i) for i, a in enumerate(iterables)]
     lengths = [_length(a) for a in iterables]
     if strict and None not in lengths and len(set(lengths)) > 1:
         raise ValueError(
-            "gradmap.tmap(strict=True): the iterables have different lengths: "
-            f"{_describe(lengths)}"
+            f"gradmap.tmap(strict=True): the iterables have different lengths: {_describe(lengths)}"
         )
-    sources = [_as_iterable(a, i) for i, a in enumerate(iterables)]
     if len(sources) == 1:
         it: Iterable[tuple[Any, ...]] = ((x,) for x in sources[0])
     else:
@@ -143,9 +141,7 @@ def zip_items(iterables: tuple[Iterable[Any], ...], strict: bool) -> list[tuple[
         except ValueError as exc:
             if strict and str(exc).startswith("zip()"):
                 # Some iterables are generators: say what is known of each length.
-                counts = [
-                    n if n is not None else f"{len(elements)} or more" for n in lengths
-                ]
+                counts = [n if n is not None else f"{len(elements)} or more" for n in lengths]
                 raise ValueError(
                     "gradmap.tmap(strict=True): the iterables have different lengths: "
                     f"{_describe(counts)} ({exc})"

@@ -28,5 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return bench_main(rest)
-    print(f"gradmap: unknown command {command!r}; expected one of ['bench', 'demo']", file=sys.stderr)
+    print(
+        f"gradmap: unknown command {command!r}; expected one of ['bench', 'demo']",
+        file=sys.stderr,
+    )
     return 2

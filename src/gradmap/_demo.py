@@ -23,8 +23,9 @@ __all__ = ["main"]
 
 def _make(n_bags: int, seed: int) -> tuple[nn.Module, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                          nn.Linear(128, 1))
+    model = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1)
+    )
     sizes = torch.randint(5, 201, (n_bags,), generator=g).tolist()
     bags = [torch.randn(s, 64, generator=g) for s in sizes]
     return model, bags
@@ -61,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         return gradmap.tmap(f, bags)
 
     default_threads = torch.get_num_threads()
-    variants = {"loop (1 thread)": (loop, 1), "loop": (loop, default_threads),
-                "tmap": (mapped, default_threads)}
+    variants = {
+        "loop (1 thread)": (loop, 1),
+        "loop": (loop, default_threads),
+        "tmap": (mapped, default_threads),
+    }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     grads: dict[str, list[torch.Tensor]] = {}
     for _ in range(args.reps + 1):  # the first round warms up
@@ -72,11 +76,15 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append((fwd, bwd))
     torch.set_num_threads(default_threads)
 
-    print(f"gradmap demo: {args.bags} ragged bags (5-200 rows x 64), MLP 64-128-128-1, "
-          f"loss = sum of per-bag means")
-    print(f"cores available: {available_cores()}, torch {torch.__version__}, "
-          f"intra-op threads (default): {default_threads}, OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, median of {args.reps}")
+    print(
+        f"gradmap demo: {args.bags} ragged bags (5-200 rows x 64), MLP 64-128-128-1, "
+        f"loss = sum of per-bag means"
+    )
+    print(
+        f"cores available: {available_cores()}, torch {torch.__version__}, "
+        f"intra-op threads (default): {default_threads}, OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, median of {args.reps}"
+    )
     medians = {}
     for name, ts in times.items():
         fwd = statistics.median(t[0] for t in ts[1:]) * 1e3
@@ -85,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     best_loop = min(sum(medians["loop (1 thread)"]), sum(medians["loop"]))
     print(f"{'variant':<17}{'forward ms':>12}{'backward ms':>13}{'total ms':>10}{'speed-up':>10}")
     for name, (fwd, bwd) in medians.items():
-        print(f"{name:<17}{fwd:>12.1f}{bwd:>13.1f}{fwd + bwd:>10.1f}"
-              f"{best_loop / (fwd + bwd):>9.2f}x")
+        print(
+            f"{name:<17}{fwd:>12.1f}{bwd:>13.1f}{fwd + bwd:>10.1f}{best_loop / (fwd + bwd):>9.2f}x"
+        )
     diff = max((a - b).abs().max().item() for a, b in zip(grads["tmap"], grads["loop"]))
     scale = max(b.abs().max().item() for b in grads["loop"])
     print(f"max |grad(tmap) - grad(loop)| = {diff:.3g} (largest gradient entry {scale:.3g})")

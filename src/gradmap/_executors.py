@@ -47,8 +47,8 @@ class Executor:
     of threads, the caller's included, that may run chunks of one map at once.
 
     Attributes:
-        shares_memory: chunks run in the caller's process, so a chunk's autograd graph can stay where
-            it was built and be pulled back later by the same or another thread.
+        shares_memory: chunks run in the caller's process, so a chunk's autograd graph can stay
+            where it was built and be pulled back later by the same or another thread.
         reverse_backward: pull chunks back in reverse element order (the serial reference does,
             as ChainRules' ``map`` rule does, for an ``f`` with state across elements).
     """
@@ -76,7 +76,7 @@ class SerialExecutor(Executor):
     name = "serial"
 
     def __init__(self, workers: int | None = None) -> None:
-        super().__init__(1)
+        super().__init__(1)  # one thread, whatever ``workers`` says
 
     def submit(self, helper: Callable[[], None]) -> None:  # pragma: no cover - never called
         raise AssertionError("the serial executor has no helpers")
@@ -160,7 +160,10 @@ def _is_shut_down(executor: concurrent.futures.Executor) -> bool:
     return bool(getattr(executor, "_shutdown", False) or getattr(executor, "_broken", False))
 
 
-_NAMES: dict[str, type[Executor]] = {"threads": ThreadExecutor, "serial": SerialExecutor}
+_NAMES: dict[str, Callable[[int | None], Executor]] = {
+    "threads": ThreadExecutor,
+    "serial": SerialExecutor,
+}
 
 
 def resolve_executor(executor: object, workers: int | None) -> Executor:
@@ -186,13 +189,13 @@ def resolve_executor(executor: object, workers: int | None) -> Executor:
     if executor is None:
         return ThreadExecutor(workers)
     if isinstance(executor, str):
-        cls = _NAMES.get(executor)
-        if cls is None:
+        make = _NAMES.get(executor)
+        if make is None:
             raise ValueError(
                 f"gradmap.tmap: unknown executor {executor!r}; expected one of "
                 f"{sorted(_NAMES)}, a concurrent.futures.Executor, or a gradmap.Executor"
             )
-        return cls(workers)
+        return make(workers)
     if isinstance(executor, Executor):
         return executor
     if isinstance(executor, concurrent.futures.Executor):

@@ -43,6 +43,62 @@ __all__ = ["Capture", "install_apply_hook"]
 Tensor = torch.Tensor
 
 _tls = threading.local()
+_CONTAINERS = (list, tuple, dict)
+
+# Calls that read metadata, or leave the graph, need no routing: passing them straight through
+# keeps the mode cheap (attribute reads such as ``t.shape`` reach it too).
+_GETTERS = (
+    "shape",
+    "dtype",
+    "device",
+    "requires_grad",
+    "is_leaf",
+    "grad_fn",
+    "ndim",
+    "layout",
+    "is_sparse",
+    "is_cuda",
+    "is_quantized",
+    "is_meta",
+    "is_nested",
+    "names",
+    "_version",
+    "output_nr",
+    "grad",
+    "data",
+    "_base",
+    "itemsize",
+    "nbytes",
+)
+_METHODS = (
+    "dim",
+    "size",
+    "numel",
+    "stride",
+    "is_contiguous",
+    "element_size",
+    "data_ptr",
+    "storage_offset",
+    "is_floating_point",
+    "is_complex",
+    "item",
+    "tolist",
+    "__len__",
+    "__repr__",
+    "__format__",
+    "__bool__",
+    "__index__",
+    "__int__",
+    "__float__",
+    "get_device",
+    "_is_view",
+    "untyped_storage",
+    "numpy",
+)
+_PASSTHROUGH = frozenset(
+    [getattr(torch.Tensor, name).__get__ for name in _GETTERS if hasattr(torch.Tensor, name)]
+    + [getattr(torch.Tensor, name) for name in _METHODS if hasattr(torch.Tensor, name)]
+)
 
 
 def _stack() -> list[Capture]:
@@ -115,17 +171,25 @@ class Capture(TorchFunctionMode):
         dicts, nested); ``obj`` itself when nothing is foreign."""
         if isinstance(obj, Tensor):
             return self.standin(obj) if self._is_foreign(obj) else obj
-        if type(obj) in (list, tuple):
-            routed = [self.route(x) for x in obj]
-            if any(r is not x for r, x in zip(routed, obj)):
-                return type(obj)(routed)
+        if type(obj) not in _CONTAINERS or not self._has_foreign(obj):
             return obj
         if type(obj) is dict:
-            routed_d = {k: self.route(v) for k, v in obj.items()}
-            if any(routed_d[k] is not v for k, v in obj.items()):
-                return routed_d
-            return obj
-        return obj
+            return {k: self.route(v) for k, v in obj.items()}
+        return type(obj)([self.route(x) for x in obj])
+
+    def _has_foreign(self, obj: Any) -> bool:
+        """Whether a list, tuple or dict holds a foreign tensor, at any depth (the fast path: an
+        op's arguments are seldom foreign)."""
+        values = obj.values() if type(obj) is dict else obj
+        for x in values:
+            if isinstance(x, Tensor):
+                if x.requires_grad:
+                    i = id(x)
+                    if i not in self._elem_local and i not in self._chunk_local:
+                        return True
+            elif type(x) in _CONTAINERS and self._has_foreign(x):
+                return True
+        return False
 
     def register(self, out: Any) -> None:
         """Mark what an op returned as produced inside the element."""
@@ -142,10 +206,11 @@ class Capture(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if kwargs is None:
             kwargs = {}
-        if self._quiet:
+        if self._quiet or func in _PASSTHROUGH:
             return func(*args, **kwargs)
-        args = self.route(args)
-        if kwargs:
+        if self._has_foreign(args):
+            args = self.route(args)
+        if kwargs and self._has_foreign(kwargs):
             kwargs = self.route(kwargs)
         out = func(*args, **kwargs)
         self.register(out)

@@ -45,7 +45,7 @@ __all__ = ["map_torch"]
 Tensor = torch.Tensor
 
 
-@dataclass
+@dataclass(slots=True)
 class _Element:
     """One element's results: the flattened leaves and which of them are join outputs."""
 
@@ -75,8 +75,9 @@ class _MapGraph:
     def __init__(
         self, f: Any, elements: list[tuple[Any, ...]], executor: Executor, chunks: list[_Chunk]
     ) -> None:
-        self.f = f
-        self.elements = elements  # kept for a create_graph backward, which recomputes
+        self.f: Any = f
+        # Kept for a create_graph backward, which recomputes.
+        self.elements: list[tuple[Any, ...]] | None = elements
         self.executor = executor
         self.n = len(elements)
         self.chunks: list[_Chunk] | None = chunks
@@ -114,7 +115,6 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
     Returns:
         The results, in element order.
     """
-    n = len(elements)
     state = ThreadState(executor.workers)
     if not (torch.is_grad_enabled() and not state.inference):
         return _map_without_graph(f, elements, executor, plan, state)
@@ -127,10 +127,8 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
     chunks = run_chunks(executor, plan.count, forward_chunk, context=state.enter)
     graph = _MapGraph(f, elements, executor, chunks)
     inputs = graph.item_inputs + graph.captured
-    if graph.outputs and inputs:
-        joined = _Join.apply(graph, *inputs)
-    else:  # nothing to differentiate through the map: the results stand as f made them
-        joined = graph.outputs
+    # With nothing to differentiate through, the results stand as f made them.
+    joined = _Join.apply(graph, *inputs) if graph.outputs and inputs else graph.outputs
     results: list[Any] = []
     j = 0
     for chunk in chunks:
@@ -170,46 +168,52 @@ def _forward_elements(
     """Run ``f`` on ``elements[i] for i in indices`` under one capture: a chunk's forward."""
     capture = Capture()
     chunk = _Chunk(list(indices))
+    item_originals, item_standins, outputs = (
+        chunk.item_originals,
+        chunk.item_standins,
+        chunk.outputs,
+    )
     n = len(elements)
     for i in indices:
         if run is not None and run.cancelled:
             break
-        item_lo = len(chunk.item_originals)
+        item_lo = len(item_originals)
         args = []
         for arg in elements[i]:
+            if isinstance(arg, Tensor):  # the common case, without the pytree round trip
+                if arg.requires_grad:
+                    item_originals.append(arg)
+                    arg = capture.item_standin(arg)
+                    item_standins.append(arg)
+                args.append(arg)
+                continue
             leaves, spec = flatten(arg)
             changed = False
             for j, leaf in enumerate(leaves):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    s = capture.item_standin(leaf)
-                    chunk.item_originals.append(leaf)
-                    chunk.item_standins.append(s)
-                    leaves[j] = s
+                    item_originals.append(leaf)
+                    leaves[j] = capture.item_standin(leaf)
+                    item_standins.append(leaves[j])
                     changed = True
             args.append(unflatten(leaves, spec) if changed else arg)
         capture.begin_element()
+        # The mode is entered around f alone: gradmap's bookkeeping stays out of its way.
         try:
             with capture:
                 y = f(*args)
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward"))
             raise
-        out_lo = len(chunk.outputs)
+        out_lo = len(outputs)
         leaves, spec = flatten(y)
         diff = []
         for j, leaf in enumerate(leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
-                leaf = capture.route(leaf)  # a foreign tensor returned as it is
-                chunk.outputs.append(leaf)
+                leaf = leaves[j] = capture.route(leaf)  # a foreign tensor returned as it is
+                outputs.append(leaf)
                 diff.append(j)
         chunk.elements.append(
-            _Element(
-                leaves,
-                spec,
-                diff,
-                (item_lo, len(chunk.item_originals)),
-                (out_lo, len(chunk.outputs)),
-            )
+            _Element(leaves, spec, diff, (item_lo, len(item_originals)), (out_lo, len(outputs)))
         )
     capture.begin_element()
     chunk.originals = capture.originals
@@ -266,6 +270,16 @@ class _Join(torch.autograd.Function):
         return (None, *item_grads, *captured)
 
 
+def _grad(outputs: list[Tensor], inputs: list[Tensor], grads: list[Tensor]) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)``
+    straight into the engine: the cotangents come from the engine with the right shapes already,
+    and ``autograd.grad``'s per-output checks in Python cost several microseconds per element."""
+    return _run_backward(tuple(outputs), tuple(grads), True, False, tuple(inputs), True, False)
+
+
+_run_backward = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+
+
 def _nonzero(g: Tensor) -> bool:
     if g.requires_grad or g.layout != torch.strided:
         return True  # a zero cotangent that requires grad still carries a second-order term
@@ -294,11 +308,7 @@ def _backward_chunk(
         return _backward_recomputed(graph, chunk, cotangents, live)
     inputs = chunk.item_standins + chunk.standins
     try:
-        return list(
-            torch.autograd.grad(
-                outputs, inputs, grads_out, retain_graph=True, allow_unused=True
-            )
-        )
+        return list(_grad(outputs, inputs, grads_out))
     except Exception as exc:
         _raise_with_element(exc, chunk, outputs, grads_out, inputs, live, graph.n)
         raise
@@ -351,8 +361,8 @@ def _backward_recomputed(
         j = where.get(id(t))
         if j is None:
             raise RuntimeError(
-                "gradmap.tmap: in a create_graph=True backward, f used a tensor that it did not use "
-                "in the forward. A double backward runs f again, so f must be deterministic."
+                "gradmap.tmap: in a create_graph=True backward, f used a tensor that it did not "
+                "use in the forward. A double backward runs f again, so f must be deterministic."
             )
         result[j] = g
     return result

@@ -56,6 +56,7 @@ class ThreadState:
         previous_threads = torch.get_num_threads()
         change_threads = budget is not None and budget != previous_threads
         if change_threads:
+            assert budget is not None
             torch.set_num_threads(budget)
         try:
             if is_caller:
