@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
@@ -115,6 +116,11 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
     Returns:
         The results, in element order.
     """
+    if _transforms_active():
+        # NOTE [torch.func and forward AD]: functorch's interpreter stack and forward-AD levels
+        # are state the worker threads do not share, and the join node has no forward rule, so
+        # under a transform the map runs as the plain loop, in the caller's thread.
+        return [f(*args) for args in elements]
     state = ThreadState(executor.workers)
     if not (torch.is_grad_enabled() and not state.inference):
         return _map_without_graph(f, elements, executor, plan, state)
@@ -138,6 +144,11 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
                 j += 1
             results.append(unflatten(el.leaves, el.spec))
     return results
+
+
+def _transforms_active() -> bool:
+    """Whether a ``torch.func`` transform or a forward-AD dual level is active."""
+    return bool(torch._C._are_functorch_transforms_active()) or fwAD._current_level >= 0
 
 
 def _map_without_graph(
