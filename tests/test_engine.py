@@ -83,5 +83,20 @@ def test_context_entered_by_every_thread():
             barrier.wait()  # two threads must work at once
         return k
 
-    run_chunks(ThreadExecutor(2), 4, chunk, context=Ctx)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        run_chunks(FuturesExecutor(pool, workers=2), 4, chunk, context=Ctx)
     assert sorted(entered) == [False, True]
+
+
+def test_shared_pool_caller_waits_unless_nested():
+    """With gradmap's pool, a top-level caller does no chunk itself; a nested caller does."""
+    caller = threading.current_thread().name
+    names = run_chunks(ThreadExecutor(2), 6, lambda k, run: threading.current_thread().name)
+    assert caller not in names
+
+    def outer(k, run):
+        me = threading.current_thread().name
+        inner = run_chunks(ThreadExecutor(1), 3, lambda j, r: threading.current_thread().name)
+        return me in inner
+
+    assert all(run_chunks(ThreadExecutor(2), 2, outer))

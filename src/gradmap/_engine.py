@@ -18,13 +18,21 @@ from typing import Generic, TypeVar
 
 from ._executors import Executor
 
-__all__ = ["ChunkRun", "run_chunks"]
+__all__ = ["ChunkRun", "in_worker", "run_chunks"]
 
 T = TypeVar("T")
 
 #: Builds the context a thread enters before it runs chunks of a pass; its argument says whether
 #: the thread is the caller's (which already has the caller's state) or a helper's.
 ThreadContext = Callable[[bool], AbstractContextManager[object]]
+
+
+_worker = threading.local()
+
+
+def in_worker() -> bool:
+    """Whether the calling thread is working on a chunk of some map (a nested call's caller)."""
+    return getattr(_worker, "active", False)
 
 
 def _no_context(is_caller: bool) -> AbstractContextManager[object]:
@@ -59,6 +67,10 @@ class ChunkRun(Generic[T]):
 
     def work(self, context: AbstractContextManager[object]) -> None:
         """Claim and run chunks until none are left; the body of every thread of the pass."""
+        if self._claimed >= len(self._order):
+            return  # a helper that started late: nothing left (checked again under the lock)
+        was_worker = in_worker()
+        _worker.active = True
         try:
             with context:
                 while (chunk := self._claim()) is not None:
@@ -67,6 +79,9 @@ class ChunkRun(Generic[T]):
             with self._cond:
                 self._failures.setdefault(-1, exc)
                 self.cancelled = True
+                self._cond.notify_all()
+        finally:
+            _worker.active = was_worker
 
     def _run_one(self, chunk: int) -> None:
         run_chunk = self._run_chunk
@@ -77,6 +92,7 @@ class ChunkRun(Generic[T]):
             with self._cond:
                 self._failures[chunk] = exc
                 self.cancelled = True
+                self._cond.notify_all()
         finally:
             with self._cond:
                 self._done += 1
@@ -85,11 +101,13 @@ class ChunkRun(Generic[T]):
     def cancel(self) -> None:
         with self._cond:
             self.cancelled = True
+            self._cond.notify_all()
 
     def wait(self) -> None:
-        """Wait for every claimed chunk to finish (only claimed ones: see the module note)."""
+        """Wait until every chunk is done, or, once cancelled, every claimed chunk."""
+        count = len(self._order)
         with self._cond:
-            while self._done < self._claimed:
+            while self._done < (self._claimed if self.cancelled else count):
                 self._cond.wait()
 
     def finish(self) -> list[T]:
@@ -131,10 +149,12 @@ def run_chunks(
     """
     order: Sequence[int] = range(count - 1, -1, -1) if reverse else range(count)
     run: ChunkRun[T] = ChunkRun(order, run_chunk)
+    helps = executor.caller_helps or in_worker()
     try:
-        for _ in range(min(executor.workers, count) - 1):
+        for _ in range(min(executor.workers, count) - (1 if helps else 0)):
             executor.submit(lambda: run.work(context(False)))
-        run.work(context(True))
+        if helps:
+            run.work(context(True))
     except BaseException:
         # A submit that failed, or an interrupt in the caller outside any chunk: stop the rest.
         run.cancel()

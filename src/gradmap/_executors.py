@@ -6,12 +6,17 @@ attributes in the manner of joblib's backends. The caller's own thread always wo
 executor may run fewer helpers than asked, or none, and a map still finishes.
 
 NOTE [caller helps, no deadlock]:
-    A map never waits on a chunk that nobody has started. The caller submits ``workers - 1``
-    helpers and then claims chunks itself; it only ever waits for chunks that another thread has
-    already claimed and is running. A ``tmap`` called from inside ``f`` (nested) therefore cannot
-    deadlock, however small or busy the pool: in the worst case the nested call's caller runs every
-    nested chunk itself while its helpers sit in the queue, and those helpers find nothing left to
-    do when they finally start.
+    A map never waits on a chunk that nobody can start. Helpers claim chunks from a shared counter;
+    a thread only ever waits for chunks that another thread has already claimed and is running.
+    Whenever a waiting caller could be holding up its own helpers, it works on chunks itself:
+    - a caller that is working on a chunk of another map (a ``tmap`` nested inside ``f``) always
+      helps, so a nested call cannot deadlock, however small or busy the pool: in the worst case
+      it runs every nested chunk itself, and its queued helpers find nothing left to do;
+    - with a user's executor, the caller always helps, since that executor may be busy with tasks
+      that wait on this very call.
+    With gradmap's own pool, a top-level caller starts ``workers`` helpers and waits: the pool's
+    threads never block on anything but running chunks, so its queue always drains, and the
+    caller's own thread settings stay untouched.
 """
 
 from __future__ import annotations
@@ -51,10 +56,16 @@ class Executor:
             where it was built and be pulled back later by the same or another thread.
         reverse_backward: pull chunks back in reverse element order (the serial reference does,
             as ChainRules' ``map`` rule does, for an ``f`` with state across elements).
+        caller_helps: the caller's thread works on chunks (and ``workers - 1`` helpers are
+            started); otherwise ``workers`` helpers do the work while the caller waits. A caller
+            that is itself working on a map's chunk always helps (see the NOTE above).
+        limits_intra_op_threads: threads working on chunks use one PyTorch intra-op thread.
     """
 
     shares_memory: ClassVar[bool] = True
     reverse_backward: ClassVar[bool] = False
+    caller_helps: ClassVar[bool] = True
+    limits_intra_op_threads: ClassVar[bool] = True
     name: ClassVar[str] = "executor"
 
     def __init__(self, workers: int) -> None:
@@ -73,6 +84,7 @@ class SerialExecutor(Executor):
     runs in reverse element order."""
 
     reverse_backward = True
+    limits_intra_op_threads = False  # the reference runs as the caller's own loop would
     name = "serial"
 
     def __init__(self, workers: int | None = None) -> None:
@@ -84,6 +96,16 @@ class SerialExecutor(Executor):
 
 _pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
+_pool_thread = threading.local()
+
+
+def _mark_pool_thread() -> None:
+    _pool_thread.is_gradmap = True
+
+
+def in_gradmap_pool() -> bool:
+    """Whether the calling thread is one of gradmap's own pool threads."""
+    return getattr(_pool_thread, "is_gradmap", False)
 
 
 def _shared_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -97,7 +119,9 @@ def _shared_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
             pool = _pools.get(threads)
             if pool is None:
                 pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=threads, thread_name_prefix=f"gradmap-{threads}"
+                    max_workers=threads,
+                    thread_name_prefix=f"gradmap-{threads}",
+                    initializer=_mark_pool_thread,
                 )
                 _pools[threads] = pool
     return pool
@@ -106,16 +130,18 @@ def _shared_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
 class ThreadExecutor(Executor):
     """The default: a shared, lazily created thread pool, reused across calls.
 
-    ``workers`` counts the caller: ``workers=4`` runs chunks on the caller and three pool threads.
+    ``workers=4`` runs chunks on four pool threads while the caller waits (a caller that is itself
+    a worker, in a nested map, works too). The caller's own thread settings are never touched.
     """
 
+    caller_helps = False
     name = "threads"
 
     def __init__(self, workers: int | None = None) -> None:
         super().__init__(available_cores() if workers is None else workers)
 
     def submit(self, helper: Callable[[], None]) -> None:
-        _shared_pool(self.workers - 1).submit(helper)
+        _shared_pool(self.workers).submit(helper)
 
 
 class FuturesExecutor(Executor):

@@ -9,16 +9,18 @@ NOTE [capturing closure tensors]:
     not produced inside the current element (nor is one of its item stand-ins) is *foreign*: it is
     replaced, for the rest of the chunk, by a stand-in ``s = t.view_as(t)`` made once per chunk.
 
-    Why a stand-in and not the tensor itself: the chunk's backward asks for gradients with respect
-    to the stand-ins, which stops the engine there. Asking with respect to the original tensors
-    would, when one of them is computed from another outside ``f`` (``b = 2 * a``), count ``a``'s
-    gradient twice and run the shared graph above them once per chunk (shared notes, trap 8). The
-    originals become inputs of the join node instead, so the outer engine runs their graph once,
-    with the summed gradient.
+    Why a stand-in and not the tensor itself: the chunk's graph ends at its stand-ins, so its
+    backward stops there. Pulling back to the original tensors would, when one of them is computed
+    from another outside ``f`` (``b = 2 * a``), count ``a``'s gradient twice and run the shared
+    graph above them once per chunk (shared notes, trap 8). The originals become inputs of the join
+    node instead, so the outer engine runs their graph once, with the summed gradient.
 
-    Why a view and not a detached copy: a view stays connected to the original, so a
-    ``create_graph=True`` backward of the chunk builds a graph that reaches the originals, and
-    double backward is exact (shared notes, trap 5).
+    Which stand-in: for the forward whose graph is kept, a fresh leaf ``t.detach()`` requiring
+    grad. The chunk's backward is then a plain ``backward()`` that accumulates into the stand-ins'
+    ``.grad``, with no ``inputs=`` -- which reentrant ``torch.utils.checkpoint`` inside ``f``
+    requires. For a ``create_graph=True`` backward, which recomputes the chunk (NOTE [double
+    backward recomputes]), a view ``t.view_as(t)`` (``connected=True``): it stays connected to
+    the original, so the second-order gradients reach it exactly (shared notes, trap 5).
 
     ``autograd.Function.apply`` is not a torch function: a user's custom Function would wire its
     node to the original tensor and the gradient would be lost silently (trap 7). gradmap wraps
@@ -116,8 +118,9 @@ class Capture(TorchFunctionMode):
         standins: their stand-ins, in the same order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, connected: bool = False) -> None:
         super().__init__()
+        self.connected = connected
         self.originals: list[Tensor] = []
         self.standins: list[Tensor] = []
         self._standin_of: dict[int, Tensor] = {}
@@ -138,9 +141,12 @@ class Capture(TorchFunctionMode):
         i = id(t)
         return t.requires_grad and i not in self._elem_local and i not in self._chunk_local
 
-    def _view(self, t: Tensor) -> Tensor:
+    def _cut(self, t: Tensor) -> Tensor:
+        """A stand-in for ``t``: a fresh leaf, or a view of ``t`` when ``connected``."""
         quiet, self._quiet = self._quiet, True
         try:
+            if not self.connected:
+                return t.detach().requires_grad_()
             try:
                 return t.view_as(t)
             except RuntimeError:  # layouts without views (sparse, ...)
@@ -150,7 +156,7 @@ class Capture(TorchFunctionMode):
 
     def item_standin(self, t: Tensor) -> Tensor:
         """A stand-in for an item tensor of the current chunk."""
-        s = self._view(t)
+        s = self._cut(t)
         self._chunk_local.add(id(s))
         self._chunk_keep.append(s)
         return s
@@ -159,7 +165,7 @@ class Capture(TorchFunctionMode):
         """The stand-in of foreign tensor ``t``, made on its first use in this chunk."""
         s = self._standin_of.get(id(t))
         if s is None:
-            s = self._view(t)
+            s = self._cut(t)
             self._standin_of[id(t)] = s
             self.originals.append(t)  # also keeps id(t) from being reused
             self.standins.append(s)

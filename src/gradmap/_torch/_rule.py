@@ -74,9 +74,15 @@ class _MapGraph:
     """The state shared by the join node's forward and backward."""
 
     def __init__(
-        self, f: Any, elements: list[tuple[Any, ...]], executor: Executor, chunks: list[_Chunk]
+        self,
+        f: Any,
+        elements: list[tuple[Any, ...]],
+        executor: Executor,
+        chunks: list[_Chunk],
+        state: ThreadState,
     ) -> None:
         self.f: Any = f
+        self.forward_state = state  # replayed by a create_graph backward
         # Kept for a create_graph backward, which recomputes.
         self.elements: list[tuple[Any, ...]] | None = elements
         self.executor = executor
@@ -121,7 +127,7 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
         # are state the worker threads do not share, and the join node has no forward rule, so
         # under a transform the map runs as the plain loop, in the caller's thread.
         return [f(*args) for args in elements]
-    state = ThreadState(executor.workers)
+    state = ThreadState(limit_threads=executor.limits_intra_op_threads)
     if not (torch.is_grad_enabled() and not state.inference):
         return _map_without_graph(f, elements, executor, plan, state)
 
@@ -131,7 +137,7 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
         return _forward_elements(f, elements, range(*plan.bounds(k)), run)
 
     chunks = run_chunks(executor, plan.count, forward_chunk, context=state.enter)
-    graph = _MapGraph(f, elements, executor, chunks)
+    graph = _MapGraph(f, elements, executor, chunks, state)
     inputs = graph.item_inputs + graph.captured
     # With nothing to differentiate through, the results stand as f made them.
     joined = _Join.apply(graph, *inputs) if graph.outputs and inputs else graph.outputs
@@ -174,10 +180,14 @@ def _map_without_graph(
 
 
 def _forward_elements(
-    f: Any, elements: list[tuple[Any, ...]], indices: Sequence[int], run: ChunkRun[Any] | None
+    f: Any,
+    elements: list[tuple[Any, ...]],
+    indices: Sequence[int],
+    run: ChunkRun[Any] | None,
+    connected: bool = False,
 ) -> _Chunk:
     """Run ``f`` on ``elements[i] for i in indices`` under one capture: a chunk's forward."""
-    capture = Capture()
+    capture = Capture(connected)
     chunk = _Chunk(list(indices))
     item_originals, item_standins, outputs = (
         chunk.item_originals,
@@ -255,7 +265,9 @@ class _Join(torch.autograd.Function):
             lo, hi = graph.output_bounds[k]
             return _backward_chunk(graph, chunks[k], cotangents[lo:hi], create_graph)
 
-        state = ThreadState(executor.workers, grad_enabled=create_graph)
+        state = ThreadState(
+            grad_enabled=create_graph, limit_threads=executor.limits_intra_op_threads
+        )
         per_chunk = run_chunks(
             executor,
             len(chunks),
@@ -281,11 +293,16 @@ class _Join(torch.autograd.Function):
         return (None, *item_grads, *captured)
 
 
-def _grad(outputs: list[Tensor], inputs: list[Tensor], grads: list[Tensor]) -> tuple:
-    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)``
-    straight into the engine: the cotangents come from the engine with the right shapes already,
-    and ``autograd.grad``'s per-output checks in Python cost several microseconds per element."""
-    return _run_backward(tuple(outputs), tuple(grads), True, False, tuple(inputs), True, False)
+def _accumulate(outputs: list[Tensor], grads: list[Tensor]) -> None:
+    """``torch.autograd.backward(outputs, grads, retain_graph=True)`` straight into the engine:
+    the cotangents come from the engine with the right shapes already, and the per-output checks
+    of ``torch.autograd`` in Python cost microseconds per element."""
+    _run_backward(tuple(outputs), tuple(grads), True, False, (), True, True)
+
+
+def _clear_grads(tensors: list[Tensor]) -> None:
+    for t in tensors:
+        t.grad = None
 
 
 _run_backward = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
@@ -300,29 +317,73 @@ def _nonzero(g: Tensor) -> bool:
 def _backward_chunk(
     graph: _MapGraph, chunk: _Chunk, cotangents: tuple[Tensor | None, ...], create_graph: bool
 ) -> list[Tensor | None] | None:
-    """The pullback of one chunk: gradients for its item stand-ins, then its foreign stand-ins."""
+    """The pullback of one chunk: gradients for its item stand-ins, then its foreign stand-ins.
+
+    Elements whose cotangents are all missing do no work and get no gradient; elements whose
+    cotangents are all zero do no work either, and get zeros, as the loop would give them.
+    """
     outputs: list[Tensor] = []
     grads_out: list[Tensor] = []
-    live: list[tuple[int, int, int]] = []  # (element index, range in outputs)
+    live: list[tuple[int, int, int]] = []  # (element in chunk, range in outputs)
+    zero: list[int] = []  # elements reached only by zero cotangents
     for e, el in enumerate(chunk.elements):
         lo = len(outputs)
+        reached = False
         for o in range(*el.outputs):
             g = cotangents[o]
-            if g is not None and _nonzero(g):
-                outputs.append(chunk.outputs[o])
-                grads_out.append(g)
+            if g is not None:
+                reached = True
+                if _nonzero(g):
+                    outputs.append(chunk.outputs[o])
+                    grads_out.append(g)
         if len(outputs) > lo:
             live.append((e, lo, len(outputs)))
-    if not outputs:
+        elif reached:
+            zero.append(e)
+    if not outputs and not zero:
         return None
-    if create_graph:
-        return _backward_recomputed(graph, chunk, cotangents, live)
-    inputs = chunk.item_standins + chunk.standins
+    if not outputs:
+        result: list[Tensor | None] = [None] * (len(chunk.item_standins) + len(chunk.standins))
+    elif create_graph:
+        result = _backward_recomputed(graph, chunk, cotangents, live)
+    else:
+        result = _backward_stored(chunk, outputs, grads_out, live, graph.n)
+    if zero:
+        _fill_zeros(chunk, zero, result)
+    return result
+
+
+def _backward_stored(
+    chunk: _Chunk,
+    outputs: list[Tensor],
+    grads_out: list[Tensor],
+    live: list[tuple[int, int, int]],
+    n: int,
+) -> list[Tensor | None]:
+    """Pull back through the chunk's stored graph into its stand-ins' ``.grad``."""
+    standins = chunk.item_standins + chunk.standins
     try:
-        return list(_grad(outputs, inputs, grads_out))
+        _accumulate(outputs, grads_out)
     except Exception as exc:
-        _raise_with_element(exc, chunk, outputs, grads_out, inputs, live, graph.n)
+        _clear_grads(standins)
+        _raise_with_element(exc, chunk, outputs, grads_out, live, n)
         raise
+    result = [s.grad for s in standins]
+    _clear_grads(standins)
+    return result
+
+
+def _fill_zeros(chunk: _Chunk, zero: list[int], result: list[Tensor | None]) -> None:
+    """Zeros where the loop's backward would have sent zeros: the items of the elements reached
+    only by zero cotangents, and the foreign tensors of their chunk."""
+    for e in zero:
+        for i in range(*chunk.elements[e].items):
+            if result[i] is None:
+                result[i] = torch.zeros_like(chunk.item_originals[i])
+    n_items = len(chunk.item_standins)
+    for j, t in enumerate(chunk.originals):
+        if result[n_items + j] is None:
+            result[n_items + j] = torch.zeros_like(t)
 
 
 def _backward_recomputed(
@@ -345,7 +406,10 @@ def _backward_recomputed(
     """
     assert graph.f is not None and graph.elements is not None
     positions = [chunk.elements[e] for e, _, _ in live]
-    fresh = _forward_elements(graph.f, graph.elements, [chunk.indices[e] for e, _, _ in live], None)
+    with graph.forward_state.autocast_context():
+        fresh = _forward_elements(
+            graph.f, graph.elements, [chunk.indices[e] for e, _, _ in live], None, connected=True
+        )
     outputs: list[Tensor] = []
     grads_out: list[Tensor] = []
     for el, new in zip(positions, fresh.elements):
@@ -384,7 +448,6 @@ def _raise_with_element(
     chunk: _Chunk,
     outputs: list[Tensor],
     grads_out: list[Tensor],
-    inputs: list[Tensor],
     live: list[tuple[int, int, int]],
     n: int,
 ) -> None:
@@ -392,14 +455,14 @@ def _raise_with_element(
     if len(live) == 1:
         add_note(exc, element_note(chunk.indices[live[0][0]], n, "backward"))
         return
+    standins = chunk.item_standins + chunk.standins
     for e, lo, hi in live:
-        index = chunk.indices[e]
         try:
-            torch.autograd.grad(
-                outputs[lo:hi], inputs, grads_out[lo:hi], retain_graph=True, allow_unused=True
-            )
+            _accumulate(outputs[lo:hi], grads_out[lo:hi])
         except Exception as element_exc:
-            add_note(element_exc, element_note(index, n, "backward"))
+            add_note(element_exc, element_note(chunk.indices[e], n, "backward"))
             raise element_exc from None
+        finally:
+            _clear_grads(standins)
     first, last = chunk.indices[live[0][0]], chunk.indices[live[-1][0]]
     add_note(exc, f"gradmap.tmap: raised in the backward pass of elements {first}..{last} (of {n})")

@@ -9,31 +9,41 @@ NOTE [thread-local state]:
 
 NOTE [intra-op threads]:
     ``torch.set_num_threads`` is per thread under OpenMP (the CPU build's backend): a pool thread
-    keeps its own setting. With ``workers`` threads running chunks, each thread (the caller
-    included, for the duration of the pass) gets ``max(1, cores // workers)`` intra-op threads (and
-    never more than the caller's own setting), so that workers x intra-op threads never exceeds
-    the cores. With the default ``workers`` (all cores) that is one intra-op thread per worker. The
-    caller's own setting is restored afterwards; a map on one worker leaves it alone.
+    keeps its own setting. Every thread working on a map's chunks -- pool threads and the caller's,
+    for the duration of the pass -- runs PyTorch ops on one intra-op thread, and the parallelism
+    comes from the workers. Two reasons: ``workers`` threads times one intra-op thread never
+    oversubscribes the cores with the default ``workers`` (the available cores); and reductions
+    and matrix products sum in an order that depends on the intra-op thread count, so a budget that
+    varied with ``workers`` would make gradients differ in the last bits between worker counts.
+    gradmap's own pool threads keep the setting for life; any other thread (a user executor's, or
+    a caller that works on chunks) gets its own setting back when the pass ends.
+
+    ``torch.set_num_threads`` also stores the value that a *new* thread copies at its first
+    parallel op. To leave that value as it was, a short-lived thread sets it back right after a
+    worker changes its own (the new thread's own setting dies with it). The serial executor, the
+    reference, leaves the caller's setting alone.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .._executors import available_cores
+from .._executors import in_gradmap_pool
 
 __all__ = ["ThreadState"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+INTRA_OP_THREADS = 1
 
 
 class ThreadState:
     """A snapshot of the caller's state, entered by every thread of one pass."""
 
-    def __init__(self, workers: int, grad_enabled: bool | None = None) -> None:
+    def __init__(self, grad_enabled: bool | None = None, limit_threads: bool = True) -> None:
         self.grad_enabled = torch.is_grad_enabled() if grad_enabled is None else grad_enabled
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = [
@@ -42,22 +52,32 @@ class ThreadState:
             if torch.is_autocast_enabled(dev)
         ]
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        # Never more than the caller allows itself; None leaves a lone thread's setting alone.
-        self.intra_op_threads: int | None = (
-            None
-            if workers <= 1
-            else max(1, min(torch.get_num_threads(), available_cores() // workers))
-        )
+        self.intra_op_threads = INTRA_OP_THREADS if limit_threads else None
+
+    @contextmanager
+    def autocast_context(self) -> Iterator[None]:
+        """Exactly the snapshot's autocast in this thread (turning off any other)."""
+        wanted = dict(self.autocast)
+        with ExitStack() as stack:
+            for dev in _AUTOCAST_DEVICES:
+                if dev in wanted:
+                    stack.enter_context(
+                        torch.autocast(dev, dtype=wanted[dev], cache_enabled=self.autocast_cache)
+                    )
+                elif torch.is_autocast_enabled(dev):
+                    stack.enter_context(torch.autocast(dev, enabled=False))
+            yield
 
     @contextmanager
     def enter(self, is_caller: bool) -> Iterator[None]:
-        """Enter the snapshot in this thread; the caller's thread only gets its thread budget."""
-        budget = self.intra_op_threads
+        """Enter the snapshot in this thread; the caller's thread only gets the thread budget."""
         previous_threads = torch.get_num_threads()
-        change_threads = budget is not None and budget != previous_threads
+        budget = self.intra_op_threads
+        change_threads = budget is not None and previous_threads != budget
         if change_threads:
             assert budget is not None
-            torch.set_num_threads(budget)
+            _set_own_intra_op_threads(budget, previous_threads)
+        restore_threads = change_threads and not in_gradmap_pool()
         try:
             if is_caller:
                 yield
@@ -67,11 +87,17 @@ class ThreadState:
                     stack.enter_context(torch.inference_mode())
                 else:
                     stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-                for dev, dtype in self.autocast:
-                    stack.enter_context(
-                        torch.autocast(dev, dtype=dtype, cache_enabled=self.autocast_cache)
-                    )
+                stack.enter_context(self.autocast_context())
                 yield
         finally:
-            if change_threads:
+            if restore_threads:
                 torch.set_num_threads(previous_threads)
+
+
+def _set_own_intra_op_threads(n: int, inherited: int) -> None:
+    """``torch.set_num_threads(n)`` for this thread only: the value new threads copy is set back
+    to ``inherited`` from a short-lived thread (see NOTE [intra-op threads])."""
+    torch.set_num_threads(n)
+    restorer = threading.Thread(target=torch.set_num_threads, args=(inherited,), daemon=True)
+    restorer.start()
+    restorer.join()
