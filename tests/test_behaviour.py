@@ -1,0 +1,877 @@
+"""Behaviour of ``gradmap.tmap`` against the plain loop ``[f(*args) for args in zip(*its)]``.
+
+The loop is the only reference: results, their structure and every gradient (first and second
+order, via ``.backward()`` and ``torch.autograd.grad``) must equal the loop's, on every executor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import namedtuple
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradmap
+
+Tensor = torch.Tensor
+Point = namedtuple("Point", ["x", "y"])
+
+#: A module-level global that ``f`` reads (the capture must see it).
+GLOBAL_W = torch.linspace(-1.0, 1.0, 3).requires_grad_()
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def loop(f: Callable[..., Any], *iterables: Any) -> list[Any]:
+    """The reference: the plain loop."""
+    return [f(*args) for args in zip(*iterables, strict=False)]
+
+
+def weighted_loss(results: list[Any], kind: str = "weighted") -> Tensor:
+    """A scalar loss over the floating tensors of the results.
+
+    ``kind``: ``all`` (plain sum), ``weighted`` (element i weighted by i + 1), ``subset`` (every
+    other element), ``one`` (element 1 only).
+    """
+    terms = []
+    for i, r in enumerate(results):
+        if kind == "subset" and i % 2:
+            continue
+        if kind == "one" and i != 1:
+            continue
+        weight = float(i + 1) if kind == "weighted" else 1.0
+        for leaf in pytree.tree_leaves(r):
+            if isinstance(leaf, Tensor) and leaf.is_floating_point():
+                terms.append(weight * leaf.float().sum())
+    return torch.stack(terms).sum()
+
+
+def assert_grads_equal(actual: list[Tensor | None], expected: list[Tensor | None]) -> None:
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        if e is None:
+            assert a is None, f"gradient {i}: the loop has None, tmap has {a}"
+        else:
+            assert a is not None, f"gradient {i}: tmap has None, the loop has {e}"
+            torch.testing.assert_close(a, e, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+def grads_of(loss: Tensor, wrt: list[Tensor], mode: str, **kwargs: Any) -> list[Tensor | None]:
+    """Gradients of ``loss`` by ``loss.backward()`` (reading ``.grad``) or ``autograd.grad``."""
+    if mode == "backward":
+        for t in wrt:
+            t.grad = None
+        loss.backward(**kwargs)
+        return [None if t.grad is None else t.grad.clone() for t in wrt]
+    return list(torch.autograd.grad(loss, wrt, **kwargs))
+
+
+def run_in_thread(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """Run ``fn`` on a daemon thread; fail (instead of hanging) if it does not finish in time."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"did not finish within {timeout} s (deadlock?)"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class CountBackward(torch.autograd.Function):
+    """Identity whose backward logs ``tag``: counts the backward work per element."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tag: Any, log: list[Any]) -> Tensor:
+        ctx.tag, ctx.log = tag, log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        ctx.log.append(ctx.tag)
+        return g, None, None
+
+
+class MulFn(torch.autograd.Function):
+    """A user-defined ``x * w`` with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+class Affine:
+    """A callable object holding tensors as attributes."""
+
+    def __init__(self) -> None:
+        self.w = torch.randn(3, 2, requires_grad=True)
+        self.b = torch.randn(2, requires_grad=True)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return (x @ self.w + self.b).pow(2).sum()
+
+
+def _uses_global(x: Tensor) -> Tensor:
+    return (x * GLOBAL_W).exp().sum()
+
+
+# -- the gradient cases --------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    f: Callable[..., Any]
+    iterables: list[Any]
+    wrt: list[Tensor]
+
+
+def _rand_items(n: int, *shape: int, grad: bool = True) -> list[Tensor]:
+    return [torch.randn(*shape, requires_grad=grad) for _ in range(n)]
+
+
+def case_items() -> Case:
+    xs, ms = _rand_items(5, 3), _rand_items(5, 2, 3)
+    return Case(lambda x, m: (m @ x).tanh().sum(), [xs, ms], xs + ms)
+
+
+def case_module() -> Case:
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    xs = _rand_items(5, 3, 4)
+    return Case(net, [xs], list(net.parameters()) + xs)
+
+
+def case_module_closure() -> Case:
+    lin = nn.Linear(4, 3)
+    xs = _rand_items(5, 2, 4)
+    return Case(lambda x: lin(x).relu().sum(0), [xs], list(lin.parameters()) + xs)
+
+
+def case_closure_tensor() -> Case:
+    w = torch.randn(3, requires_grad=True)
+    xs = _rand_items(5, 3, grad=False)
+    return Case(lambda x: (x * w).sin().sum(), [xs], [w])
+
+
+def case_callable_attribute() -> Case:
+    obj = Affine()
+    xs = _rand_items(5, 4, 3)
+    return Case(obj, [xs], [obj.w, obj.b, *xs])
+
+
+def case_global() -> Case:
+    GLOBAL_W.grad = None
+    xs = _rand_items(5, 3)
+    return Case(_uses_global, [xs], [GLOBAL_W, *xs])
+
+
+def case_nonleaf_before_call() -> Case:
+    a = torch.randn(3, requires_grad=True)
+    h = a.exp() * 2  # computed before the call: its graph must run once, with the summed grad
+    xs = _rand_items(5, 3)
+    return Case(lambda x: (x * h).cos().sum(), [xs], [a, *xs])
+
+
+def case_derived_captured() -> Case:
+    a = torch.randn(3, requires_grad=True)
+    b = 2 * a  # derived from a outside f; f uses both
+    xs = _rand_items(5, 3)
+    return Case(lambda x: (x * a + b * x**2).sum(), [xs], [a, *xs])
+
+
+def case_returns_captured() -> Case:
+    w = torch.randn(3, requires_grad=True)
+    xs = _rand_items(5, 3)
+    return Case(lambda x: (w, (x * w).sum()), [xs], [w, *xs])
+
+
+def case_returns_input() -> Case:
+    xs = _rand_items(5, 3)
+    return Case(lambda x: (x, x.pow(2).sum()), [xs], xs)
+
+
+def case_custom_function() -> Case:
+    w = torch.randn(3, requires_grad=True)
+    xs = _rand_items(5, 3)
+    return Case(lambda x: MulFn.apply(x, w).sin().sum(), [xs], [w, *xs])
+
+
+def case_checkpoint() -> Case:
+    w = torch.randn(3, 3, requires_grad=True)
+    xs = _rand_items(5, 3)
+
+    def f(x: Tensor) -> Tensor:
+        return checkpoint(lambda a: torch.tanh(w @ a).pow(2).sum(), x, use_reentrant=False)
+
+    return Case(f, [xs], [w, *xs])
+
+
+def case_tensor_iterable() -> Case:
+    w = torch.randn(4, requires_grad=True)
+    big = torch.randn(6, 4, requires_grad=True)
+    return Case(lambda row: (row * w).tanh().sum(), [big], [big, w])
+
+
+def case_pytree() -> Case:
+    xs = _rand_items(4, 3)
+    ys = _rand_items(4, 2)
+    items = [
+        {"a": x, "b": (y, "tag"), "c": None, "p": Point(x * 1.0, 7)}
+        for x, y in zip(xs, ys, strict=True)
+    ]
+
+    def f(item: dict[str, Any]) -> dict[str, Any]:
+        x, (y, _), p = item["a"], item["b"], item["p"]
+        return {"s": (x * y.sum()).sin(), "pair": [p.x.exp(), "str"], "none": None, "n": p.y}
+
+    return Case(f, [items], xs + ys)
+
+
+def case_shared_item() -> Case:
+    x = torch.randn(3, requires_grad=True)
+    others = _rand_items(4, 3)
+    # x is an item of every element and a closure tensor of f as well.
+    return Case(lambda a, b: ((a * x).sin() + b * x).sum(), [[x] * 4, others], [x, *others])
+
+
+def case_duplicate_result() -> Case:
+    xs = _rand_items(5, 3)
+    return Case(lambda x: (lambda y: (y, [y, x.sum()]))(x.exp()), [xs], xs)
+
+
+CASES = {name[len("case_") :]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def _run_case(build: Callable[[], Case], mapper: Callable[..., list[Any]], mode: str, kind: str):
+    torch.manual_seed(1)
+    case = build()
+    loss = weighted_loss(mapper(case.f, *case.iterables), kind)
+    extra = {"allow_unused": True} if mode == "grad" else {}
+    return grads_of(loss, case.wrt, mode, **extra)
+
+
+@pytest.mark.parametrize("mode", ["backward", "grad"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_match_loop(tmap_kwargs, case, mode):
+    """Gradients to items, parameters, closures, attributes, globals... equal the loop's."""
+    build = CASES[case]
+    expected = _run_case(build, loop, mode, "weighted")
+    actual = _run_case(
+        build, lambda f, *its: gradmap.tmap(f, *its, **tmap_kwargs), mode, "weighted"
+    )
+    assert_grads_equal(actual, expected)
+
+
+@pytest.mark.parametrize("mode", ["backward", "grad"])
+@pytest.mark.parametrize("kind", ["all", "subset", "one"])
+@pytest.mark.parametrize("case", ["module", "items", "returns_captured"])
+def test_partial_losses_match_loop(tmap_kwargs, case, kind, mode):
+    """Losses from all results, a subset of them, or one result: gradients equal the loop's."""
+    build = CASES[case]
+    expected = _run_case(build, loop, mode, kind)
+    actual = _run_case(build, lambda f, *its: gradmap.tmap(f, *its, **tmap_kwargs), mode, kind)
+    assert_grads_equal(actual, expected)
+
+
+def test_reentrant_checkpoint_matches_loop(tmap_kwargs):
+    """``checkpoint(use_reentrant=True)`` inside f: ``loss.backward()`` works as in the loop."""
+
+    def build() -> Case:
+        w = torch.randn(3, 3, requires_grad=True)
+        xs = _rand_items(4, 3)
+
+        def f(x: Tensor) -> Tensor:
+            return checkpoint(lambda a: torch.tanh(w @ a).sum(), x, use_reentrant=True)
+
+        return Case(f, [xs], [w, *xs])
+
+    expected = _run_case(build, loop, "backward", "all")
+    actual = _run_case(
+        build, lambda f, *its: gradmap.tmap(f, *its, **tmap_kwargs), "backward", "all"
+    )
+    assert_grads_equal(actual, expected)
+
+
+# -- iterables -----------------------------------------------------------------------------------
+
+
+def test_lists_tuples_range_results_equal_loop(tmap_kwargs):
+    """Lists, tuples and ranges zip like the builtin map; results are a list in order."""
+    xs = [torch.randn(3) for _ in range(7)]
+    f = lambda x, k, s: x * k + len(s)  # noqa: E731
+    its = (xs, tuple(range(10, 17)), ["a", "bb", "ccc", "d", "ee", "f", "gg"])
+    out = gradmap.tmap(f, *its, **tmap_kwargs)
+    assert isinstance(out, list)
+    for a, e in zip(out, loop(f, *its), strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert gradmap.tmap(lambda i: i * i, range(5), **tmap_kwargs) == [0, 1, 4, 9, 16]
+
+
+def test_empty_iterable_gives_empty_list(tmap_kwargs):
+    assert gradmap.tmap(lambda x: x, [], **tmap_kwargs) == []
+
+
+def test_generator_consumed_once(tmap_kwargs):
+    """A generator is read once, in order; gradients through its items equal the loop's."""
+    xs = [torch.randn(3, requires_grad=True) for _ in range(6)]
+    pulled: list[int] = []
+
+    def gen() -> Iterator[Tensor]:
+        for i, x in enumerate(xs):
+            pulled.append(i)
+            yield x
+
+    f = lambda x: (x**3).sum()  # noqa: E731
+    out = gradmap.tmap(f, gen(), **tmap_kwargs)
+    assert pulled == list(range(6))
+    got = torch.autograd.grad(torch.stack(out).sum(), xs)
+    want = torch.autograd.grad(torch.stack(loop(f, xs)).sum(), xs)
+    assert_grads_equal(list(got), list(want))
+
+
+def test_tensor_iterable_gradient_reaches_whole_tensor(tmap_kwargs):
+    """A tensor is mapped over dim 0 and its gradient is the loop's over ``big`` itself."""
+    big = torch.randn(7, 3, requires_grad=True)
+    f = lambda row: (row.sin() * torch.arange(3.0)).sum()  # noqa: E731
+    out = gradmap.tmap(f, big, **tmap_kwargs)
+    assert len(out) == 7
+    (got,) = torch.autograd.grad(weighted_loss(out), big)
+    (want,) = torch.autograd.grad(weighted_loss(loop(f, big)), big)
+    torch.testing.assert_close(got, want)
+
+
+def test_several_iterables_stop_at_shortest(tmap_kwargs):
+    xs = [torch.randn(2, requires_grad=True) for _ in range(5)]
+    out = gradmap.tmap(lambda x, k, s: x * k, xs, range(3), "abcdefgh", **tmap_kwargs)
+    assert len(out) == 3
+    for i, y in enumerate(out):
+        torch.testing.assert_close(y, xs[i] * i)
+
+
+@pytest.mark.parametrize(
+    ("make", "lengths"),
+    [
+        (lambda: ([1, 2, 3], [1, 2]), ("3", "2")),
+        (lambda: (torch.zeros(4, 2), [1, 2, 3, 4, 5]), ("4", "5")),
+        (lambda: ([1, 2], (i for i in range(5))), ("2",)),
+        (lambda: ((i for i in range(5)), [1, 2]), ("2",)),
+    ],
+)
+def test_strict_raises_value_error_naming_lengths(tmap_kwargs, make, lengths):
+    with pytest.raises(ValueError, match="length") as info:
+        gradmap.tmap(lambda *a: 0, *make(), strict=True, **tmap_kwargs)
+    for n in lengths:
+        assert n in str(info.value)
+
+
+def test_strict_equal_lengths_is_fine(tmap_kwargs):
+    out = gradmap.tmap(
+        lambda a, b: a + b, [1, 2, 3], (i for i in range(3)), strict=True, **tmap_kwargs
+    )
+    assert out == [1, 3, 5]
+
+
+# -- pytrees and pass-through --------------------------------------------------------------------
+
+
+def test_pytree_items_and_results_keep_structure_and_objects(tmap_kwargs):
+    """Items and results of any pytree; non-tensors reach f and come back as the same objects."""
+    marker = object()
+    const = torch.arange(3)  # an int tensor made outside f
+    frozen = torch.ones(2)  # a float tensor that does not require grad
+    xs = [torch.randn(2, requires_grad=True) for _ in range(5)]
+    items = [{"x": x, "tag": marker, "none": None, "pt": Point(x, i)} for i, x in enumerate(xs)]
+    seen: list[Any] = []
+
+    def f(item: dict[str, Any]) -> Any:
+        seen.append(item["tag"])
+        assert item["none"] is None
+        x, pt = item["x"], item["pt"]
+        return (
+            {"y": x * pt.y, "marker": item["tag"], "idx": torch.tensor([pt.y])},
+            [const, frozen, None, pt.y],
+            Point(x.exp(), "s"),
+        )
+
+    out = gradmap.tmap(f, items, **tmap_kwargs)
+    ref = loop(f, items)
+    assert all(s is marker for s in seen)
+    assert len(out) == len(ref) == 5
+    for o, r in zip(out, ref, strict=True):
+        assert pytree.tree_structure(o) == pytree.tree_structure(r)
+        assert type(o[2]) is Point
+        assert o[0]["marker"] is marker
+        assert o[1][0] is const and o[1][1] is frozen and o[1][2] is None
+        assert o[0]["idx"].dtype == torch.int64 and not o[0]["idx"].requires_grad
+        torch.testing.assert_close(o[0]["idx"], r[0]["idx"])
+        assert o[0]["y"].requires_grad
+    got = torch.autograd.grad(weighted_loss(out), xs)
+    want = torch.autograd.grad(weighted_loss(ref), xs)
+    assert_grads_equal(list(got), list(want))
+
+
+def test_non_differentiable_results_pass_through(tmap_kwargs):
+    """With grad on, results that do not require grad are f's own tensors, untouched."""
+    made: list[Tensor] = []
+
+    def f(x: Tensor) -> Tensor:
+        y = (x * 2).long()
+        made.append(y)
+        return y
+
+    out = gradmap.tmap(f, [torch.randn(3) for _ in range(5)], **tmap_kwargs)
+    assert {id(y) for y in out} == {id(y) for y in made}
+    assert all(not y.requires_grad and y.dtype == torch.int64 for y in out)
+
+
+def test_items_not_requiring_grad_reach_f_untouched(tmap_kwargs):
+    xs = [torch.randn(3) for _ in range(5)]
+    seen: list[Tensor] = []
+    gradmap.tmap(lambda x: seen.append(x), xs, **tmap_kwargs)
+    assert {id(x) for x in seen} == {id(x) for x in xs}
+
+
+# -- backward work ---------------------------------------------------------------------------------
+
+
+def test_upstream_graph_runs_once(tmap_kwargs):
+    """A non-leaf tensor computed before the call: its upstream graph runs once, as in the loop."""
+
+    def run(mapper: Callable[..., list[Any]]) -> tuple[list[Any], int, Tensor]:
+        torch.manual_seed(2)
+        a = torch.randn(3, requires_grad=True)
+        log: list[Any] = []
+        hook_calls: list[int] = []
+        h = CountBackward.apply(a, "upstream", log)
+        h.register_hook(lambda g: hook_calls.append(1))
+        xs = [torch.randn(3) for _ in range(6)]
+        out = mapper(lambda x: (x * h).sin().sum(), xs)
+        torch.stack(out).sum().backward()
+        return log, len(hook_calls), a.grad
+
+    log_l, hooks_l, grad_l = run(loop)
+    log_t, hooks_t, grad_t = run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
+    assert log_l == ["upstream"] and hooks_l == 1
+    assert log_t == ["upstream"]
+    assert hooks_t == 1
+    torch.testing.assert_close(grad_t, grad_l)
+
+
+def test_elements_without_gradient_do_no_backward_work(tmap_kwargs):
+    """Unused results and zero cotangents: those elements' pullbacks never run."""
+    log: list[int] = []
+    w = torch.randn(3, requires_grad=True)
+    xs = [torch.randn(3) for _ in range(8)]
+    out = gradmap.tmap(
+        lambda i, x: (CountBackward.apply(x * w, i, log)).sum(), range(8), xs, **tmap_kwargs
+    )
+    loss = out[0] + 3 * out[2] + 0 * out[5] + out[7]  # 1, 3, 4, 6 unused; 5 gets a zero
+    (got,) = torch.autograd.grad(loss, w)
+    assert sorted(log) == [0, 2, 7]
+    (want,) = torch.autograd.grad(xs[0] @ w + 3 * (xs[2] @ w) + xs[7] @ w, w)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["backward", "grad"])
+def test_zero_cotangent_gives_zero_gradient_like_loop(tmap_kwargs, mode):
+    """An element whose result gets a zero cotangent: the loop's gradient is zeros, not None."""
+
+    def run(mapper: Callable[..., list[Any]]) -> list[Tensor | None]:
+        torch.manual_seed(3)
+        w = torch.randn(3, requires_grad=True)
+        xs = [torch.randn(3, requires_grad=True) for _ in range(4)]
+        out = mapper(lambda x: (x * w).pow(2).sum(), xs)
+        # Chunks of 2 (or 1): elements 2 and 3 (a whole chunk) get zero cotangents only.
+        loss = out[0] + 0 * out[1] + 0 * (out[2] + out[3])
+        return grads_of(loss, [*xs, w], mode)
+
+    expected = run(loop)
+    actual = run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
+    assert_grads_equal(actual, expected)
+
+
+def test_zero_cotangent_everywhere_gives_zero_parameter_gradient(tmap_kwargs):
+    """Every cotangent zero: the loop's parameter gradient is a zero tensor, not None."""
+    w = torch.randn(3, requires_grad=True)
+    xs = [torch.randn(3) for _ in range(4)]
+    out = gradmap.tmap(lambda x: (x * w).sum(), xs, **tmap_kwargs)
+    (torch.stack(out).sum() * 0).backward()
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, torch.zeros(3))
+
+
+def test_serial_pulls_back_in_reverse_element_order():
+    """The serial executor's backward runs the elements from the last to the first."""
+    for chunksize in (1, 2, 3, None):
+        order: list[int] = []
+
+        def f(i: int, x: Tensor, order: list[int] = order) -> Tensor:
+            y = x * 1.5
+            y.register_hook(lambda g: order.append(i))
+            return y.sum()
+
+        xs = [torch.randn(2, requires_grad=True) for _ in range(7)]
+        out = gradmap.tmap(f, range(7), xs, executor="serial", chunksize=chunksize)
+        torch.stack(out).sum().backward()
+        assert order == list(range(6, -1, -1)), f"chunksize={chunksize}"
+
+
+# -- retain_graph -------------------------------------------------------------------------------
+
+
+def test_second_backward_without_retain_graph_raises(tmap_kwargs):
+    w = torch.randn(3, requires_grad=True)
+    xs = [torch.randn(3) for _ in range(5)]
+    f = lambda x: (x * w).exp().sum()  # noqa: E731
+    ref = torch.stack(loop(f, xs)).sum()
+    ref.backward()
+    with pytest.raises(RuntimeError):
+        ref.backward()
+    loss = torch.stack(gradmap.tmap(f, xs, **tmap_kwargs)).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+def test_retain_graph_twice_accumulates_like_loop(tmap_kwargs):
+    def run(mapper: Callable[..., list[Any]]) -> list[Tensor]:
+        torch.manual_seed(4)
+        w = torch.randn(3, requires_grad=True)
+        xs = [torch.randn(3, requires_grad=True) for _ in range(5)]
+        loss = weighted_loss(mapper(lambda x: (x * w).exp().sum(), xs))
+        loss.backward(retain_graph=True)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [w.grad, *(x.grad for x in xs)]
+
+    assert_grads_equal(run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs)), run(loop))
+
+
+# -- second order ---------------------------------------------------------------------------------
+
+
+def _hvp_run(mapper: Callable[..., list[Any]], mode: str) -> list[Tensor | None]:
+    torch.manual_seed(5)
+    lin = nn.Linear(3, 4)
+    xs = [torch.randn(2, 3, requires_grad=True) for _ in range(5)]
+    f = lambda x: lin(x).tanh().pow(2).sum() * x.sum()  # noqa: E731
+    wrt = [*lin.parameters(), *xs]
+    loss = weighted_loss(mapper(f, xs))
+    if mode == "grad":
+        first = torch.autograd.grad(loss, wrt, create_graph=True)
+    else:
+        for t in wrt:
+            t.grad = None
+        loss.backward(create_graph=True)
+        first = tuple(t.grad for t in wrt)
+    vs = [torch.ones_like(t) * 0.5 for t in wrt]
+    hv = sum((g * v).sum() for g, v in zip(first, vs, strict=True))
+    result = list(torch.autograd.grad(hv, wrt)) + [g.detach() for g in first]
+    for t in wrt:
+        t.grad = None  # break the .grad <-> graph cycle of backward(create_graph=True)
+    return result
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("mode", ["backward", "grad"])
+def test_hessian_vector_product_matches_loop(tmap_kwargs, mode):
+    """create_graph=True: the first and second order (items and parameters) equal the loop's."""
+    expected = _hvp_run(loop, mode)
+    actual = _hvp_run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs), mode)
+    assert_grads_equal(actual, expected)
+
+
+def test_double_backward_through_tensor_iterable_matches_loop(tmap_kwargs):
+    """create_graph=True through a tensor iterable and a closure tensor: the loop's Hessian."""
+
+    def run(mapper: Callable[..., list[Any]]) -> list[Tensor | None]:
+        torch.manual_seed(12)
+        big = torch.randn(5, 3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        out = mapper(lambda row: (row**3 * w).sum() * row.sum(), big)
+        g = torch.autograd.grad(weighted_loss(out), [big, w], create_graph=True)
+        return list(torch.autograd.grad(g[0].sin().sum() + g[1].pow(2).sum(), [big, w]))
+
+    assert_grads_equal(run(lambda f, it: gradmap.tmap(f, it, **tmap_kwargs)), run(loop))
+
+
+def test_gradcheck_and_gradgradcheck(tmap_kwargs):
+    """float64 gradcheck/gradgradcheck through a tensor iterable, list items and a parameter."""
+    big = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    z0, z1, z2, z3 = (torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(4))
+
+    def fn(big: Tensor, w: Tensor, *zs: Tensor) -> Tensor:
+        out = gradmap.tmap(
+            lambda row, z: ((w @ row).tanh() * (z * row).sum()).sum(0),
+            big,
+            list(zs),
+            **tmap_kwargs,
+        )
+        return torch.stack(out)
+
+    inputs = (big, w, z0, z1, z2, z3)
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+# -- thread-local state ----------------------------------------------------------------------------
+
+
+def test_no_grad_records_nothing_even_in_workers(tmap_kwargs):
+    w = torch.randn(3, requires_grad=True)
+    modes: list[bool] = []
+
+    def f(x: Tensor) -> Tensor:
+        modes.append(torch.is_grad_enabled())
+        return (x * w).sum()
+
+    with torch.no_grad():
+        out = gradmap.tmap(f, [torch.randn(3, requires_grad=True) for _ in range(8)], **tmap_kwargs)
+    assert modes == [False] * 8
+    assert all(not y.requires_grad and y.grad_fn is None for y in out)
+
+
+def test_inference_mode_reaches_workers(tmap_kwargs):
+    w = torch.randn(3, requires_grad=True)
+    modes: list[bool] = []
+
+    def f(x: Tensor) -> Tensor:
+        modes.append(torch.is_inference_mode_enabled())
+        return (x * w).sum()
+
+    with torch.inference_mode():
+        out = gradmap.tmap(f, [torch.randn(3) for _ in range(8)], **tmap_kwargs)
+    assert modes == [True] * 8
+    assert all(y.is_inference() and not y.requires_grad for y in out)
+
+
+def test_grad_mode_on_in_workers_by_default(tmap_kwargs):
+    modes: list[bool] = []
+
+    def f(x: Tensor) -> Tensor:
+        modes.append(torch.is_grad_enabled())
+        return x * 2
+
+    out = gradmap.tmap(f, [torch.randn(2, requires_grad=True) for _ in range(6)], **tmap_kwargs)
+    assert modes == [True] * 6
+    assert all(y.requires_grad for y in out)
+
+
+def _autocast_run(
+    mapper: Callable[..., list[Any]], cache: bool
+) -> tuple[list[torch.dtype], list[Tensor | None]]:
+    torch.manual_seed(6)
+    w = torch.randn(8, 8, requires_grad=True)
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(6)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+        out = mapper(lambda x: (x @ w).relu(), xs)
+    grads = torch.autograd.grad(weighted_loss(out), [w, *xs])
+    return [y.dtype for y in out], list(grads)
+
+
+def test_cpu_autocast_reaches_workers(tmap_kwargs):
+    """Under CPU autocast (no weight cache), result dtypes and gradients equal the loop's."""
+    dtypes_l, grads_l = _autocast_run(loop, cache=False)
+    dtypes_t, grads_t = _autocast_run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs), cache=False)
+    assert dtypes_l == [torch.bfloat16] * 6
+    assert dtypes_t == dtypes_l
+    assert_grads_equal(grads_t, grads_l)
+
+
+def test_cpu_autocast_with_weight_cache_matches_loop_to_bf16_precision(tmap_kwargs):
+    """Default autocast (weight cache on): the loop sums the weight's gradient in bfloat16 at
+    the cached cast, tmap per element in float32; equal to bfloat16 precision."""
+    dtypes_l, grads_l = _autocast_run(loop, cache=True)
+    dtypes_t, grads_t = _autocast_run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs), cache=True)
+    assert dtypes_t == dtypes_l == [torch.bfloat16] * 6
+    scale = grads_l[0].abs().max().item()
+    torch.testing.assert_close(grads_t[0], grads_l[0], rtol=2**-7, atol=2**-7 * scale)
+    assert_grads_equal(grads_t[1:], grads_l[1:])
+
+
+def test_autocast_forward_with_create_graph_backward_matches_loop(tmap_kwargs):
+    """Forward under autocast, then a create_graph=True backward outside it: the loop's grads."""
+
+    def run(mapper: Callable[..., list[Any]]) -> list[Tensor | None]:
+        torch.manual_seed(7)
+        w = torch.randn(8, 8, requires_grad=True)
+        xs = [torch.randn(4, 8) for _ in range(6)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            out = mapper(lambda x: (x @ w).float().pow(2).sum(), xs)
+        (g,) = torch.autograd.grad(torch.stack(out).sum(), w, create_graph=True)
+        (gg,) = torch.autograd.grad(g.pow(2).sum(), w)
+        return [g.detach(), gg]
+
+    assert_grads_equal(run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs)), run(loop))
+
+
+def test_default_dtype_reaches_workers(tmap_kwargs):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        w = torch.randn(3, requires_grad=True)
+        f = lambda x: (torch.ones(3) * x * w).sum()  # noqa: E731
+        out = gradmap.tmap(f, [1.0, 2.0, 3.0, 4.0], **tmap_kwargs)
+        assert [y.dtype for y in out] == [torch.float64] * 4
+        (got,) = torch.autograd.grad(torch.stack(out).sum(), w)
+        (want,) = torch.autograd.grad(torch.stack(loop(f, [1.0, 2.0, 3.0, 4.0])).sum(), w)
+        torch.testing.assert_close(got, want)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_map_leaves_intra_op_threads_of_new_threads_alone():
+    """A thread started while a map runs gets the process's intra-op thread count, not the
+    map's per-worker budget."""
+
+    def fresh_thread_setting() -> int:
+        box: list[int] = []
+        t = threading.Thread(target=lambda: box.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return box[0]
+
+    before = fresh_thread_setting()
+    seen: list[int] = []
+    gradmap.tmap(lambda i: seen.append(fresh_thread_setting()), range(8), workers=2, chunksize=1)
+    assert seen == [before] * 8
+    assert fresh_thread_setting() == before
+
+
+# -- determinism -----------------------------------------------------------------------------------
+
+
+def _ragged_mlp_grads(workers: int, chunksize: int | None) -> list[Tensor]:
+    torch.manual_seed(8)
+    mlp = nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+    g = torch.Generator().manual_seed(9)
+    sizes = torch.randint(1, 200, (100,), generator=g).tolist()
+    bags = [torch.randn(n, 16, generator=g) for n in sizes]
+    out = gradmap.tmap(lambda b: mlp(b).mean(), bags, workers=workers, chunksize=chunksize)
+    return list(torch.autograd.grad(weighted_loss(out), list(mlp.parameters())))
+
+
+@pytest.mark.parametrize("chunksize", [None, 7])
+def test_parameter_gradients_bitwise_identical_for_any_workers(chunksize):
+    """Ragged MLP, 100 elements: the same bits for workers=1, 2, 4, 8 and across runs."""
+    reference = _ragged_mlp_grads(1, chunksize)
+    for workers in (1, 2, 4, 8):
+        for run in range(2):
+            grads = _ragged_mlp_grads(workers, chunksize)
+            for p, (a, b) in enumerate(zip(grads, reference, strict=True)):
+                same = torch.equal(a, b)  # (a bool: pytest would diff huge tensor reprs)
+                assert same, (
+                    f"workers={workers} run={run} param={p}: "
+                    f"max diff {(a - b).abs().max().item():.3g}"
+                )
+
+
+# -- nesting and concurrency ---------------------------------------------------------------------
+
+
+def _nested_grads(outer_map, inner_map) -> list[Tensor]:
+    torch.manual_seed(10)
+    w = torch.randn(3, requires_grad=True)
+    lin = nn.Linear(3, 2)
+    bags = [torch.randn(k, 3, requires_grad=True) for k in (1, 4, 2, 5, 3, 2)]
+
+    def inner(row: Tensor) -> Tensor:
+        return (lin(row * w).tanh()).sum()
+
+    def outer(bag: Tensor) -> Tensor:
+        return torch.stack(inner_map(inner, bag)).pow(2).sum()
+
+    out = outer_map(outer, bags)
+    return list(torch.autograd.grad(weighted_loss(out), [w, *lin.parameters(), *bags]))
+
+
+NESTED_CONFIGS = {
+    # name: (outer kwargs, inner kwargs); "pool-N" is one user ThreadPoolExecutor shared by both.
+    "threads": ({"executor": "threads", "chunksize": 1}, {"executor": "threads", "chunksize": 1}),
+    "workers-2": ({"workers": 2, "chunksize": 1}, {"workers": 2, "chunksize": 1}),
+    "workers-8": ({"workers": 8, "chunksize": 1}, {"workers": 8, "chunksize": 1}),
+    "user-pool-1": ({"executor": "pool-1", "chunksize": 1}, {"executor": "pool-1", "chunksize": 1}),
+    "user-pool-2": ({"executor": "pool-2", "chunksize": 1}, {"executor": "pool-2", "chunksize": 1}),
+    "serial-outer": ({"executor": "serial"}, {"workers": 2, "chunksize": 1}),
+    "serial-inner": ({"workers": 2, "chunksize": 1}, {"executor": "serial"}),
+}
+
+
+@pytest.mark.parametrize("config", list(NESTED_CONFIGS))
+def test_nested_tmap_no_deadlock_and_loop_gradients(config):
+    """tmap inside f (on the same pool at both levels): it finishes, with the loop's gradients,
+    including to the parameters the inner f uses."""
+    expected = _nested_grads(loop, loop)
+    outer_kwargs, inner_kwargs = (dict(kw) for kw in NESTED_CONFIGS[config])
+    pool = None
+    if str(outer_kwargs.get("executor", "")).startswith("pool-"):
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(config[-1]))
+        outer_kwargs["executor"] = inner_kwargs["executor"] = pool
+    try:
+        actual = run_in_thread(
+            lambda: _nested_grads(
+                lambda f, it: gradmap.tmap(f, it, **outer_kwargs),
+                lambda f, it: gradmap.tmap(f, it, **inner_kwargs),
+            ),
+            timeout=60,
+        )
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False)
+    assert_grads_equal(actual, expected)
+
+
+def test_concurrent_callers_get_loop_gradients(tmap_kwargs):
+    """Four threads call tmap and autograd.grad at once, sharing a module: each gets the loop's."""
+    torch.manual_seed(11)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    params = list(net.parameters())
+    datasets = [
+        [torch.randn(k % 5 + 1, 4, requires_grad=True) for k in range(12 + c)] for c in range(4)
+    ]
+    f = lambda x: net(x).sum()  # noqa: E731
+
+    def grads(mapper: Callable[..., list[Any]], xs: list[Tensor]) -> list[Tensor | None]:
+        return list(torch.autograd.grad(weighted_loss(mapper(f, xs)), params + xs))
+
+    expected = [grads(loop, xs) for xs in datasets]
+    barrier = threading.Barrier(4)
+    results: list[Any] = [None] * 4
+
+    def caller(c: int) -> None:
+        barrier.wait()
+        for _ in range(3):
+            results[c] = grads(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs), datasets[c])
+
+    def run_all() -> None:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as callers:
+            for fut in [callers.submit(caller, c) for c in range(4)]:
+                fut.result()
+
+    run_in_thread(run_all, timeout=60)
+    for c in range(4):
+        assert_grads_equal(results[c], expected[c])
