@@ -1,0 +1,150 @@
+"""The variants the bench compares: ways of computing a workload's total loss.
+
+Every variant returns the total loss as a 0-d tensor; the bench then calls ``backward()`` on it, so
+each variant's gradient can be checked against the plain loop's.
+
+- ``loop1``: ``[f(x) for x in items]`` with ``torch.set_num_threads(1)``.
+- ``loop``: the same loop with torch's default intra-op threads.
+- ``tmap``: ``gradmap.tmap(f, items)`` on the shared thread pool.
+- ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads).
+- ``vmap``: ``torch.func.vmap`` over a padded and masked batch (bags only).
+- ``tmap:W``: ``tmap`` with ``workers=W`` (the workers sweep behind ``--plot``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradmap.bench.workloads import Workload
+
+__all__ = ["BASELINES", "VARIANT_NAMES", "Variant", "build_variants", "loop_loss"]
+
+VARIANT_NAMES = ("loop1", "loop", "tmap", "serial", "vmap")
+"""Variants selectable with ``--variants``, in the order they are run."""
+
+BASELINES = ("loop1", "loop")
+"""Variants the baseline is chosen from: the faster of the two plain loops."""
+
+TotalLoss = Callable[[Workload[Any]], Tensor]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of computing the total loss.
+
+    Attributes:
+        name: Short identifier shown in the table.
+        total_loss: Computes the total loss of a workload (forward only).
+        intra_op_threads: ``torch.set_num_threads`` value while the variant runs; ``None`` keeps
+            the default.
+        needs_batched: Whether the variant needs ``Workload.batched_loss``.
+        workers: The ``workers`` argument given to ``tmap``, for the workers sweep.
+    """
+
+    name: str
+    total_loss: TotalLoss
+    intra_op_threads: int | None = None
+    needs_batched: bool = False
+    workers: int | None = None
+
+    def applies_to(self, workload: Workload[Any]) -> bool:
+        """Return whether the variant can run ``workload``."""
+        return workload.has_batched or not self.needs_batched
+
+    @contextmanager
+    def settings(self) -> Iterator[None]:
+        """Apply the variant's torch settings for the duration of the block, then restore them."""
+        if self.intra_op_threads is None:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.intra_op_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+
+def loop_loss(workload: Workload[Any]) -> Tensor:
+    """Total loss with a plain Python loop: what users write without gradmap."""
+    return torch.stack([workload.f(item) for item in workload.items]).sum()
+
+
+def batched_loss(workload: Workload[Any]) -> Tensor:
+    """Total loss with the workload's padded ``torch.func.vmap`` formulation."""
+    return workload.batched_loss(workload.items)
+
+
+def _import_tmap() -> Callable[..., list[Any]]:
+    """Return ``gradmap.tmap``, with a clear error while it is missing."""
+    try:
+        from gradmap import tmap
+    except ImportError as error:
+        raise RuntimeError(
+            "gradmap.tmap cannot be imported; to run without it, pick variants with "
+            "--variants loop1,loop,vmap"
+        ) from error
+    return tmap  # type: ignore[no-any-return]
+
+
+def _tmap_loss(
+    tmap: Callable[..., list[Any]], executor: str | None, workers: int | None
+) -> TotalLoss:
+    """Build a total-loss function mapping ``f`` with ``tmap`` on the given executor."""
+
+    def total_loss(workload: Workload[Any]) -> Tensor:
+        losses = tmap(workload.f, workload.items, executor=executor, workers=workers)
+        return torch.stack(losses).sum()
+
+    return total_loss
+
+
+def build_variants(
+    names: Sequence[str], workers: int | None = None, sweep: Sequence[int] = ()
+) -> list[Variant]:
+    """Build the variants to run.
+
+    Arguments:
+        names: Names out of ``VARIANT_NAMES``; run in the order of ``VARIANT_NAMES``.
+        workers: ``workers`` for the ``tmap`` variant (``None``: the pool's default).
+        sweep: Worker counts for extra ``tmap:W`` variants (for the speed-up plot).
+
+    Returns:
+        The variants.
+
+    Raises:
+        ValueError: Unknown variant name.
+        RuntimeError: A ``tmap`` variant was asked for and ``gradmap.tmap`` cannot be imported.
+    """
+    unknown = sorted(set(names) - set(VARIANT_NAMES))
+    if unknown:
+        raise ValueError(
+            f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANT_NAMES)}"
+        )
+    tmap = _import_tmap() if {"tmap", "serial"} & set(names) or sweep else None
+    variants = []
+    for name in VARIANT_NAMES:
+        if name not in names:
+            continue
+        if name == "loop1":
+            variants.append(Variant(name, loop_loss, intra_op_threads=1))
+        elif name == "loop":
+            variants.append(Variant(name, loop_loss))
+        elif name == "tmap":
+            assert tmap is not None
+            variants.append(Variant(name, _tmap_loss(tmap, None, workers), workers=workers))
+        elif name == "serial":
+            assert tmap is not None
+            variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))
+        elif name == "vmap":
+            variants.append(Variant(name, batched_loss, needs_batched=True))
+    for count in sweep:
+        assert tmap is not None
+        variants.append(Variant(f"tmap:{count}", _tmap_loss(tmap, None, count), workers=count))
+    return variants
