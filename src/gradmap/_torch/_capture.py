@@ -183,12 +183,32 @@ class Capture(TorchFunctionMode):
             return {k: self.route(v) for k, v in obj.items()}
         return type(obj)([self.route(x) for x in obj])
 
+    def _route_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``route(args)`` in one pass, for an op's positional arguments."""
+        routed: list[Any] | None = None
+        for i, x in enumerate(args):
+            if isinstance(x, Tensor):
+                if x.requires_grad:
+                    k = id(x)
+                    if k not in self._elem_local and k not in self._chunk_local:
+                        s = self._standin_of.get(k)
+                        if routed is None:
+                            routed = list(args)
+                        routed[i] = self.standin(x) if s is None else s
+            elif type(x) in _CONTAINERS:
+                r = self.route(x)
+                if r is not x:
+                    if routed is None:
+                        routed = list(args)
+                    routed[i] = r
+        return args if routed is None else tuple(routed)
+
     def _has_foreign(self, obj: Any) -> bool:
         """Whether a list, tuple or dict holds a foreign tensor, at any depth (the fast path: an
         op's arguments are seldom foreign)."""
         values = obj.values() if type(obj) is dict else obj
         for x in values:
-            if isinstance(x, Tensor):
+            if type(x) is Tensor or isinstance(x, Tensor):
                 if x.requires_grad:
                     i = id(x)
                     if i not in self._elem_local and i not in self._chunk_local:
@@ -210,16 +230,23 @@ class Capture(TorchFunctionMode):
     # -- the mode ----------------------------------------------------------------------------
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if kwargs is None:
-            kwargs = {}
+        # The hot path of a chunk's forward: every torch call in f comes through here, under
+        # the GIL, so the common case (no foreign argument, one tensor out) is kept inline.
         if self._quiet or func in _PASSTHROUGH:
-            return func(*args, **kwargs)
-        if self._has_foreign(args):
-            args = self.route(args)
-        if kwargs and self._has_foreign(kwargs):
-            kwargs = self.route(kwargs)
-        out = func(*args, **kwargs)
-        self.register(out)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        args = self._route_args(args)
+        if kwargs:
+            if self._has_foreign(kwargs):
+                kwargs = self.route(kwargs)
+            out = func(*args, **kwargs)
+        else:
+            out = func(*args)
+        if type(out) is Tensor:
+            if out.requires_grad:
+                self._elem_local.add(id(out))
+                self._elem_keep.append(out)
+        else:
+            self.register(out)
         return out
 
     def __enter__(self) -> Capture:
