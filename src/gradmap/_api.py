@@ -22,6 +22,7 @@ def tmap(
     workers: int | None = None,
     chunksize: int | None = None,
     strict: bool = False,
+    progress: Any = False,
 ) -> list[Any]:
     """Apply ``f`` to every element in parallel; differentiable, with the plain loop's gradients.
 
@@ -51,6 +52,9 @@ def tmap(
         chunksize: elements per chunk. Default: about 64 chunks. Chunks depend on the number of
             elements only, so results are bitwise the same for any ``workers``.
         strict: raise ``ValueError`` if the iterables have different lengths.
+        progress: ``True`` for a progress bar of the forward and of the backward, counting
+            elements (needs ``tqdm``: ``pip install 'gradmap[progress]'``); or a tqdm instance
+            to update; or a callable making a bar, such as ``tqdm.tqdm``. Updated once per chunk.
 
     Returns:
         A list with ``f``'s result for each element, in order.
@@ -78,7 +82,7 @@ def tmap(
     plan = plan_chunks(len(elements), chunksize)
     if not elements:
         return []
-    return map_torch(f, elements, resolved, plan)
+    return map_torch(f, elements, resolved, plan, progress=progress)
 
 
 def _as_iterable(arg: Any, position: int) -> Iterable[Any]:

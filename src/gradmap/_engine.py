@@ -47,8 +47,14 @@ class ChunkRun(Generic[T]):
             should check it between elements and return early.
     """
 
-    def __init__(self, order: Sequence[int], run_chunk: Callable[[int, ChunkRun[T]], T]) -> None:
+    def __init__(
+        self,
+        order: Sequence[int],
+        run_chunk: Callable[[int, ChunkRun[T]], T],
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
         self.cancelled = False
+        self._on_done = on_done
         self._order = order
         self._run_chunk: Callable[[int, ChunkRun[T]], T] | None = run_chunk
         self._results: list[T | None] = [None] * len(order)
@@ -88,6 +94,8 @@ class ChunkRun(Generic[T]):
         try:
             assert run_chunk is not None
             self._results[chunk] = run_chunk(chunk, self)
+            if self._on_done is not None:
+                self._on_done(chunk)
         except BaseException as exc:
             with self._cond:
                 self._failures[chunk] = exc
@@ -114,6 +122,7 @@ class ChunkRun(Generic[T]):
         """The results in chunk order, or the first failure raised; then forget everything."""
         failures, results = self._failures, self._results
         self._run_chunk = None
+        self._on_done = None
         self._results = []
         self._failures = {}
         if failures:
@@ -131,6 +140,7 @@ def run_chunks(
     *,
     reverse: bool = False,
     context: ThreadContext = _no_context,
+    on_done: Callable[[int], None] | None = None,
 ) -> list[T]:
     """Run ``run_chunk(k, run)`` for every chunk ``k`` on ``executor`` and the caller's thread.
 
@@ -140,6 +150,7 @@ def run_chunks(
         run_chunk: runs one chunk; it may return early when ``run.cancelled`` is set.
         reverse: claim chunks from the last to the first.
         context: the context each participating thread enters around its work.
+        on_done: called with the index of each chunk that finished (for progress bars).
 
     Returns:
         The results, in chunk order (whatever order they ran in).
@@ -148,7 +159,7 @@ def run_chunks(
         The first failure of a chunk, after every chunk that was running has stopped.
     """
     order: Sequence[int] = range(count - 1, -1, -1) if reverse else range(count)
-    run: ChunkRun[T] = ChunkRun(order, run_chunk)
+    run: ChunkRun[T] = ChunkRun(order, run_chunk, on_done)
     helps = executor.caller_helps or in_worker()
     try:
         for _ in range(min(executor.workers, count) - (1 if helps else 0)):

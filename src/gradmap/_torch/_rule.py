@@ -37,6 +37,7 @@ from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
 from .._executors import Executor
 from .._plan import ChunkPlan
+from .._progress import open_progress
 from .._tree import Spec, flatten, unflatten
 from ._capture import Capture, install_apply_hook
 from ._state import ThreadState
@@ -80,8 +81,12 @@ class _MapGraph:
         executor: Executor,
         chunks: list[_Chunk],
         state: ThreadState,
+        progress: Any,
+        plan: ChunkPlan,
     ) -> None:
         self.f: Any = f
+        self.progress = progress
+        self.plan = plan
         self.forward_state = state  # replayed by a create_graph backward
         # Kept for a create_graph backward, which recomputes.
         self.elements: list[tuple[Any, ...]] | None = elements
@@ -110,7 +115,14 @@ class _MapGraph:
         self.output_bounds = bounds
 
 
-def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan) -> list:
+def map_torch(
+    f: Any,
+    elements: list[tuple[Any, ...]],
+    executor: Executor,
+    plan: ChunkPlan,
+    *,
+    progress: Any = False,
+) -> list:
     """``[f(*args) for args in elements]`` on ``executor``, differentiable as the loop is.
 
     Arguments:
@@ -118,6 +130,7 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
         elements: the argument tuples, one per element.
         executor: where chunks run.
         plan: the chunk plan for ``len(elements)``.
+        progress: ``tmap``'s ``progress`` argument.
 
     Returns:
         The results, in element order.
@@ -129,15 +142,15 @@ def map_torch(f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan:
         return [f(*args) for args in elements]
     state = ThreadState(limit_threads=executor.limits_intra_op_threads)
     if not (torch.is_grad_enabled() and not state.inference):
-        return _map_without_graph(f, elements, executor, plan, state)
+        return _map_without_graph(f, elements, executor, plan, state, progress)
 
     install_apply_hook()
 
     def forward_chunk(k: int, run: ChunkRun[_Chunk]) -> _Chunk:
         return _forward_elements(f, elements, range(*plan.bounds(k)), run)
 
-    chunks = run_chunks(executor, plan.count, forward_chunk, context=state.enter)
-    graph = _MapGraph(f, elements, executor, chunks, state)
+    chunks = _run_pass(executor, plan, forward_chunk, state, progress, "forward")
+    graph = _MapGraph(f, elements, executor, chunks, state, progress, plan)
     inputs = graph.item_inputs + graph.captured
     # With nothing to differentiate through, the results stand as f made them.
     joined = _Join.apply(graph, *inputs) if graph.outputs and inputs else graph.outputs
@@ -157,8 +170,34 @@ def _transforms_active() -> bool:
     return bool(torch._C._are_functorch_transforms_active()) or fwAD._current_level >= 0
 
 
+def _run_pass(
+    executor: Executor,
+    plan: ChunkPlan,
+    run_chunk: Any,
+    state: ThreadState,
+    progress: Any,
+    phase: str,
+    reverse: bool = False,
+) -> list:
+    """One pass over the plan's chunks, with the caller's state and an optional progress bar."""
+    bar = open_progress(progress, phase, plan.n)
+    on_done = None if bar is None else (lambda k: bar.update(len(range(*plan.bounds(k)))))
+    try:
+        return run_chunks(
+            executor, plan.count, run_chunk, reverse=reverse, context=state.enter, on_done=on_done
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def _map_without_graph(
-    f: Any, elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan, state: ThreadState
+    f: Any,
+    elements: list[tuple[Any, ...]],
+    executor: Executor,
+    plan: ChunkPlan,
+    state: ThreadState,
+    progress: Any,
 ) -> list:
     n = len(elements)
 
@@ -175,7 +214,7 @@ def _map_without_graph(
                 raise
         return out
 
-    chunks = run_chunks(executor, plan.count, chunk_results, context=state.enter)
+    chunks = _run_pass(executor, plan, chunk_results, state, progress, "forward")
     return [y for chunk in chunks for y in chunk]
 
 
@@ -268,12 +307,14 @@ class _Join(torch.autograd.Function):
         state = ThreadState(
             grad_enabled=create_graph, limit_threads=executor.limits_intra_op_threads
         )
-        per_chunk = run_chunks(
+        per_chunk = _run_pass(
             executor,
-            len(chunks),
+            graph.plan,
             backward_chunk,
+            state,
+            graph.progress,
+            "backward",
             reverse=executor.reverse_backward,
-            context=state.enter,
         )
         item_grads: list[Tensor | None] = []
         captured: list[Tensor | None] = [None] * len(graph.captured)

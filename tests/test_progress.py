@@ -1,0 +1,68 @@
+"""Progress bars: one for the forward and one for the backward, counting elements."""
+
+from __future__ import annotations
+
+import functools
+import io
+import sys
+
+import pytest
+import torch
+
+import gradmap
+
+
+def _map_and_backward(**kwargs):
+    w = torch.randn(3, requires_grad=True)
+    ys = gradmap.tmap(lambda x: (x * w).sum(), torch.randn(40, 3), chunksize=4, **kwargs)
+    torch.stack(ys).sum().backward()
+    return w
+
+
+def test_progress_true_draws_forward_and_backward_bars(capsys):
+    _map_and_backward(progress=True)
+    err = capsys.readouterr().err
+    assert "gradmap forward" in err and "gradmap backward" in err
+    assert "40/40" in err
+
+
+def test_progress_callable_makes_one_bar_per_pass():
+    buf = io.StringIO()
+    import tqdm
+
+    _map_and_backward(progress=functools.partial(tqdm.tqdm, file=buf, mininterval=0))
+    out = buf.getvalue()
+    assert "gradmap forward: 100%" in out and "gradmap backward: 100%" in out
+
+
+class Counter:
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def update(self, n):
+        self.calls.append(n)
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_progress_instance_counts_every_element_once_per_pass(executor):
+    bar = Counter()
+    _map_and_backward(progress=bar, executor=executor)
+    assert sum(bar.calls) == 80  # 40 forward + 40 backward
+    assert len(bar.calls) == 20  # once per chunk: 10 chunks per pass
+
+
+def test_no_output_without_progress(capsys):
+    _map_and_backward()
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_missing_tqdm_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ImportError, match=r"pip install 'gradmap\[progress\]'"):
+        _map_and_backward(progress=True)
+
+
+def test_bad_progress_type():
+    with pytest.raises(TypeError, match="progress must be"):
+        _map_and_backward(progress=3)
