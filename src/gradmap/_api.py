@@ -22,6 +22,7 @@ def tmap(
     workers: int | None = None,
     chunksize: int | None = None,
     strict: bool = False,
+    remat: bool = False,
     progress: Any = False,
 ) -> list[Any]:
     """Apply ``f`` to every element in parallel; differentiable, with the plain loop's gradients.
@@ -52,6 +53,11 @@ def tmap(
         chunksize: elements per chunk. Default: about 64 chunks. Chunks depend on the number of
             elements only, so results are bitwise the same for any ``workers``.
         strict: raise ``ValueError`` if the iterables have different lengths.
+        remat: recompute instead of storing: the forward runs ``f`` without recording a graph
+            and keeps only the items and results; the backward runs each chunk's forward again,
+            under grad mode, pulls it back and frees it. Same gradients, a fraction of the memory,
+            at the price of a second forward. ``f`` must be deterministic apart from its random
+            numbers, which are replayed.
         progress: ``True`` for a progress bar of the forward and of the backward, counting
             elements (needs ``tqdm``: ``pip install 'gradmap[progress]'``); or a tqdm instance
             to update; or a callable making a bar, such as ``tqdm.tqdm``. Updated once per chunk.
@@ -82,7 +88,7 @@ def tmap(
     plan = plan_chunks(len(elements), chunksize)
     if not elements:
         return []
-    return map_torch(f, elements, resolved, plan, progress=progress)
+    return map_torch(f, elements, resolved, plan, remat=remat, progress=progress)
 
 
 def _as_iterable(arg: Any, position: int) -> Iterable[Any]:

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._random import RANDOM_CALLS, ElementRandom
+
 __all__ = ["Capture", "install_apply_hook"]
 
 Tensor = torch.Tensor
@@ -129,13 +131,16 @@ class Capture(TorchFunctionMode):
         self._elem_local: set[int] = set()
         self._elem_keep: list[Tensor] = []
         self._quiet = False  # while set, the mode passes calls through untouched
+        self._random: ElementRandom | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------
 
-    def begin_element(self) -> None:
-        """Forget the tensors of the previous element (only their ids were needed)."""
+    def begin_element(self, random: ElementRandom | None = None) -> None:
+        """Forget the tensors of the previous element (only their ids were needed), and draw
+        the next element's random numbers from ``random``."""
         self._elem_local = set()
         self._elem_keep = []
+        self._random = random
 
     def _is_foreign(self, t: Tensor) -> bool:
         i = id(t)
@@ -235,9 +240,11 @@ class Capture(TorchFunctionMode):
         if self._quiet or func in _PASSTHROUGH:
             return func(*args, **kwargs) if kwargs else func(*args)
         args = self._route_args(args)
-        if kwargs:
-            if self._has_foreign(kwargs):
-                kwargs = self.route(kwargs)
+        if kwargs and self._has_foreign(kwargs):
+            kwargs = self.route(kwargs)
+        if func in RANDOM_CALLS and self._random is not None:
+            out = self._random.call(func, args, kwargs or {})
+        elif kwargs:
             out = func(*args, **kwargs)
         else:
             out = func(*args)

@@ -40,6 +40,7 @@ from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._tree import Spec, flatten, unflatten
 from ._capture import Capture, install_apply_hook
+from ._random import ElementRandom, MapSeed
 from ._state import ThreadState
 
 __all__ = ["map_torch"]
@@ -83,8 +84,12 @@ class _MapGraph:
         state: ThreadState,
         progress: Any,
         plan: ChunkPlan,
+        seed: MapSeed,
+        remat: bool,
     ) -> None:
         self.f: Any = f
+        self.seed = seed
+        self.remat = remat
         self.progress = progress
         self.plan = plan
         self.forward_state = state  # replayed by a create_graph backward
@@ -121,6 +126,7 @@ def map_torch(
     executor: Executor,
     plan: ChunkPlan,
     *,
+    remat: bool = False,
     progress: Any = False,
 ) -> list:
     """``[f(*args) for args in elements]`` on ``executor``, differentiable as the loop is.
@@ -130,6 +136,7 @@ def map_torch(
         elements: the argument tuples, one per element.
         executor: where chunks run.
         plan: the chunk plan for ``len(elements)``.
+        remat: keep no graph in the forward; recompute each chunk in the backward.
         progress: ``tmap``'s ``progress`` argument.
 
     Returns:
@@ -145,12 +152,13 @@ def map_torch(
         return _map_without_graph(f, elements, executor, plan, state, progress)
 
     install_apply_hook()
+    seed = MapSeed()
 
     def forward_chunk(k: int, run: ChunkRun[_Chunk]) -> _Chunk:
-        return _forward_elements(f, elements, range(*plan.bounds(k)), run)
+        return _forward_elements(f, elements, range(*plan.bounds(k)), run, seed, remat=remat)
 
     chunks = _run_pass(executor, plan, forward_chunk, state, progress, "forward")
-    graph = _MapGraph(f, elements, executor, chunks, state, progress, plan)
+    graph = _MapGraph(f, elements, executor, chunks, state, progress, plan, seed, remat)
     inputs = graph.item_inputs + graph.captured
     # With nothing to differentiate through, the results stand as f made them.
     joined = _Join.apply(graph, *inputs) if graph.outputs and inputs else graph.outputs
@@ -223,9 +231,16 @@ def _forward_elements(
     elements: list[tuple[Any, ...]],
     indices: Sequence[int],
     run: ChunkRun[Any] | None,
+    seed: MapSeed,
+    *,
     connected: bool = False,
+    remat: bool = False,
 ) -> _Chunk:
-    """Run ``f`` on ``elements[i] for i in indices`` under one capture: a chunk's forward."""
+    """Run ``f`` on ``elements[i] for i in indices`` under one capture: a chunk's forward.
+
+    With ``remat``, ``f`` runs without recording a graph: the chunk keeps what it used (items,
+    foreign tensors) and its results, and every floating-point result leaf is a join output.
+    """
     capture = Capture(connected)
     chunk = _Chunk(list(indices))
     item_originals, item_standins, outputs = (
@@ -256,10 +271,10 @@ def _forward_elements(
                     item_standins.append(leaves[j])
                     changed = True
             args.append(unflatten(leaves, spec) if changed else arg)
-        capture.begin_element()
+        capture.begin_element(ElementRandom(seed, i))
         # The mode is entered around f alone: gradmap's bookkeeping stays out of its way.
         try:
-            with capture:
+            with capture, torch.set_grad_enabled(not remat):
                 y = f(*args)
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward"))
@@ -268,16 +283,23 @@ def _forward_elements(
         leaves, spec = flatten(y)
         diff = []
         for j, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor) and leaf.requires_grad:
+            if not isinstance(leaf, Tensor):
+                continue
+            if leaf.requires_grad:
                 leaf = leaves[j] = capture.route(leaf)  # a foreign tensor returned as it is
-                outputs.append(leaf)
-                diff.append(j)
+            elif not (remat and (leaf.is_floating_point() or leaf.is_complex())):
+                continue
+            outputs.append(leaf)
+            diff.append(j)
         chunk.elements.append(
             _Element(leaves, spec, diff, (item_lo, len(item_originals)), (out_lo, len(outputs)))
         )
     capture.begin_element()
     chunk.originals = capture.originals
-    chunk.standins = capture.standins
+    if not remat:  # a remat chunk keeps no graph: its stand-ins are made anew in the backward
+        chunk.standins = capture.standins
+    else:
+        chunk.item_standins = []
     return chunk
 
 
@@ -320,9 +342,9 @@ class _Join(torch.autograd.Function):
         captured: list[Tensor | None] = [None] * len(graph.captured)
         for chunk, positions, grads in zip(chunks, graph.captured_pos, per_chunk):
             if grads is None:
-                item_grads.extend([None] * len(chunk.item_standins))
+                item_grads.extend([None] * len(chunk.item_originals))
                 continue
-            n_items = len(chunk.item_standins)
+            n_items = len(chunk.item_originals)
             item_grads.extend(grads[:n_items])
             for p, g in zip(positions, grads[n_items:]):
                 if g is not None:
@@ -384,9 +406,9 @@ def _backward_chunk(
     if not outputs and not zero:
         return None
     if not outputs:
-        result: list[Tensor | None] = [None] * (len(chunk.item_standins) + len(chunk.standins))
-    elif create_graph:
-        result = _backward_recomputed(graph, chunk, cotangents, live)
+        result: list[Tensor | None] = [None] * (len(chunk.item_originals) + len(chunk.originals))
+    elif create_graph or graph.remat:
+        result = _backward_recomputed(graph, chunk, cotangents, live, create_graph)
     else:
         result = _backward_stored(chunk, outputs, grads_out, live, graph.n)
     if zero:
@@ -421,7 +443,7 @@ def _fill_zeros(chunk: _Chunk, zero: list[int], result: list[Tensor | None]) -> 
         for i in range(*chunk.elements[e].items):
             if result[i] is None:
                 result[i] = torch.zeros_like(chunk.item_originals[i])
-    n_items = len(chunk.item_standins)
+    n_items = len(chunk.item_originals)
     for j, t in enumerate(chunk.originals):
         if result[n_items + j] is None:
             result[n_items + j] = torch.zeros_like(t)
@@ -432,8 +454,10 @@ def _backward_recomputed(
     chunk: _Chunk,
     cotangents: tuple[Tensor | None, ...],
     live: list[tuple[int, int, int]],
+    create_graph: bool,
 ) -> list[Tensor | None]:
-    """A ``create_graph=True`` pullback, on a fresh forward of the chunk's live elements.
+    """A pullback on a fresh forward of the chunk's live elements: for ``remat=True``, and for
+    every ``create_graph=True`` backward.
 
     NOTE [double backward recomputes]:
         A first-order gradient built with ``create_graph=True`` refers to tensors saved by the
@@ -442,43 +466,64 @@ def _backward_recomputed(
         map's results) -- and the first run frees what the second needs. A fresh forward of the
         chunk gives the first-order gradient a graph of its own; the stored graph stays reserved
         for the join. The fresh forward uses stand-ins that are views of the original tensors, so
-        the second-order gradients reach them exactly (shared notes, trap 5). ``f`` must therefore
-        be deterministic; see the remat issue for random ``f``.
+        the second-order gradients reach them exactly (shared notes, trap 5). It replays the
+        forward's autocast and each element's random numbers (NOTE [random numbers per element]);
+        otherwise ``f`` must be deterministic.
     """
     assert graph.f is not None and graph.elements is not None
-    positions = [chunk.elements[e] for e, _, _ in live]
     with graph.forward_state.autocast_context():
         fresh = _forward_elements(
-            graph.f, graph.elements, [chunk.indices[e] for e, _, _ in live], None, connected=True
+            graph.f,
+            graph.elements,
+            [chunk.indices[e] for e, _, _ in live],
+            None,
+            graph.seed,
+            connected=create_graph,
         )
     outputs: list[Tensor] = []
     grads_out: list[Tensor] = []
-    for el, new in zip(positions, fresh.elements):
-        for o, new_o in zip(range(*el.outputs), range(*new.outputs)):
+    for (e, _, _), new in zip(live, fresh.elements):
+        el = chunk.elements[e]
+        for o, pos in zip(range(*el.outputs), el.diff):
             g = cotangents[o]
-            if g is not None:
-                outputs.append(fresh.outputs[new_o])
+            leaf = new.leaves[pos]
+            if g is not None and isinstance(leaf, Tensor) and leaf.requires_grad:
+                outputs.append(leaf)
                 grads_out.append(g)
-    grads = torch.autograd.grad(
-        outputs,
-        fresh.item_standins + fresh.standins,
-        grads_out,
-        create_graph=True,
-        allow_unused=True,
-    )
-    # Back to the stored chunk's layout: its item stand-ins, then its foreign stand-ins.
-    result: list[Tensor | None] = [None] * (len(chunk.item_standins) + len(chunk.standins))
-    for el, new in zip(positions, fresh.elements):
+    inputs = fresh.item_standins + fresh.standins
+    grads: Sequence[Tensor | None]
+    if not outputs:
+        grads = [None] * len(inputs)
+    elif create_graph:
+        grads = torch.autograd.grad(
+            outputs, inputs, grads_out, create_graph=True, allow_unused=True
+        )
+    else:
+        try:
+            _accumulate(outputs, grads_out)
+        except Exception as exc:
+            first, last = chunk.indices[live[0][0]], chunk.indices[live[-1][0]]
+            add_note(
+                exc,
+                f"gradmap.tmap: raised in the backward pass of elements {first}..{last} "
+                f"(of {graph.n}), recomputed",
+            )
+            raise
+        grads = [s.grad for s in inputs]
+    # Back to the chunk's layout: its items, then its foreign tensors.
+    result: list[Tensor | None] = [None] * (len(chunk.item_originals) + len(chunk.originals))
+    for (e, _, _), new in zip(live, fresh.elements):
+        el = chunk.elements[e]
         for i, new_i in zip(range(*el.items), range(*new.items)):
             result[i] = grads[new_i]
-    where = {id(t): len(chunk.item_standins) + j for j, t in enumerate(chunk.originals)}
+    where = {id(t): len(chunk.item_originals) + j for j, t in enumerate(chunk.originals)}
     n_items = len(fresh.item_standins)
     for t, g in zip(fresh.originals, grads[n_items:]):
         j = where.get(id(t))
         if j is None:
             raise RuntimeError(
-                "gradmap.tmap: in a create_graph=True backward, f used a tensor that it did not "
-                "use in the forward. A double backward runs f again, so f must be deterministic."
+                "gradmap.tmap: recomputing f (remat=True or a create_graph=True backward), f used "
+                "a tensor that it did not use in the forward: f must be deterministic."
             )
         result[j] = g
     return result

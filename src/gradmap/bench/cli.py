@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.png",
         help="also time tmap with 1..cores workers and plot speed-up to FILE",
     )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure peak memory of loop, tmap and tmap(remat=True) on ragged_bags "
+        "(N=1024; 128 with --quick), each in a fresh process",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     return parser
@@ -166,6 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     result = run_bench(config, variants, progress=None if args.quiet else stderr_progress())
     print(format_table(result), flush=True)
+    if args.memory:
+        from gradmap.bench.memory import format_memory, measure_memory
+
+        n_memory = 128 if args.quick else 1024
+        rows = measure_memory("ragged_bags", n_memory, seed=args.seed)
+        print(format_memory("ragged_bags", n_memory, rows), flush=True)
     if args.json:
         write_json(result, args.json)
     if args.plot:

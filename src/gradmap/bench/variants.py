@@ -7,6 +7,7 @@ each variant's gradient can be checked against the plain loop's.
 - ``loop``: the same loop with torch's default intra-op threads.
 - ``tmap``: ``gradmap.tmap(f, items)`` on the shared thread pool.
 - ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads).
+- ``remat``: ``gradmap.tmap(f, items, remat=True)``: no graph kept; the backward recomputes.
 - ``vmap``: ``torch.func.vmap`` over a padded and masked batch (bags only).
 - ``tmap:W``: ``tmap`` with ``workers=W`` (the workers sweep behind ``--plot``).
 """
@@ -25,7 +26,7 @@ from gradmap.bench.workloads import Workload
 
 __all__ = ["BASELINES", "VARIANT_NAMES", "Variant", "build_variants", "loop_loss"]
 
-VARIANT_NAMES = ("loop1", "loop", "tmap", "serial", "vmap")
+VARIANT_NAMES = ("loop1", "loop", "tmap", "serial", "remat", "vmap")
 """Variants selectable with ``--variants``, in the order they are run."""
 
 BASELINES = ("loop1", "loop")
@@ -94,12 +95,12 @@ def _import_tmap() -> Callable[..., list[Any]]:
 
 
 def _tmap_loss(
-    tmap: Callable[..., list[Any]], executor: str | None, workers: int | None
+    tmap: Callable[..., list[Any]], executor: str | None, workers: int | None, remat: bool = False
 ) -> TotalLoss:
     """Build a total-loss function mapping ``f`` with ``tmap`` on the given executor."""
 
     def total_loss(workload: Workload[Any]) -> Tensor:
-        losses = tmap(workload.f, workload.items, executor=executor, workers=workers)
+        losses = tmap(workload.f, workload.items, executor=executor, workers=workers, remat=remat)
         return torch.stack(losses).sum()
 
     return total_loss
@@ -127,7 +128,7 @@ def build_variants(
         raise ValueError(
             f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANT_NAMES)}"
         )
-    tmap = _import_tmap() if {"tmap", "serial"} & set(names) or sweep else None
+    tmap = _import_tmap() if {"tmap", "serial", "remat"} & set(names) or sweep else None
     variants = []
     for name in VARIANT_NAMES:
         if name not in names:
@@ -142,6 +143,9 @@ def build_variants(
         elif name == "serial":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))
+        elif name == "remat":
+            assert tmap is not None
+            variants.append(Variant(name, _tmap_loss(tmap, None, workers, remat=True)))
         elif name == "vmap":
             variants.append(Variant(name, batched_loss, needs_batched=True))
     for count in sweep:

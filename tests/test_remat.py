@@ -1,0 +1,133 @@
+"""remat=True: no graph in the forward, a recompute in the backward, the same gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradmap
+
+
+def _ragged(n=9, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(int(k), d, generator=g, requires_grad=True)
+        for k in torch.randint(1, 6, (n,), generator=g)
+    ]
+
+
+def _grads(f, xs, params, **kwargs):
+    ys = gradmap.tmap(f, xs, **kwargs)
+    loss = sum((i + 1) * y for i, y in enumerate(ys))
+    return torch.autograd.grad(loss, params + xs)
+
+
+def test_remat_equals_store_bitwise(tmap_kwargs):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    xs = _ragged()
+    f = lambda x: model(x).mean()  # noqa: E731
+    params = list(model.parameters())
+    store = _grads(f, xs, params, **tmap_kwargs)
+    remat = _grads(f, xs, params, remat=True, **tmap_kwargs)
+    loop = torch.autograd.grad(sum((i + 1) * f(x) for i, x in enumerate(xs)), params + xs)
+    for s, r, ref in zip(store, remat, loop):
+        assert torch.equal(s, r)
+        torch.testing.assert_close(r, ref)
+
+
+def test_remat_closure_and_nonleaf_tensors(tmap_kwargs):
+    a = torch.randn(4, requires_grad=True)
+    xs = _ragged()
+
+    def run(mapper):
+        b = a * 2  # non-leaf, computed before the call
+        ys = mapper(lambda x: torch.sin(x @ a + x @ b).sum())
+        return torch.autograd.grad(torch.stack(ys).sum(), [a, *xs])
+
+    ref = run(lambda f: [f(x) for x in xs])
+    got = run(lambda f: gradmap.tmap(f, xs, remat=True, **tmap_kwargs))
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r)
+
+
+def test_remat_runs_f_again_in_the_backward_only(tmap_kwargs):
+    calls = {"grad": 0, "nograd": 0}
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x):
+        calls["grad" if torch.is_grad_enabled() else "nograd"] += 1
+        return (x * w).sum()
+
+    xs = torch.randn(6, 3)
+    ys = gradmap.tmap(f, xs, remat=True, **tmap_kwargs)
+    assert calls == {"grad": 0, "nograd": 6}  # the forward recorded nothing
+    assert all(y.requires_grad for y in ys)
+    torch.stack(ys).sum().backward()
+    assert calls == {"grad": 6, "nograd": 6}
+    torch.testing.assert_close(w.grad, xs.sum(0))
+
+
+def test_remat_skips_elements_without_gradient():
+    calls: list[int] = []
+    w = torch.randn(3, requires_grad=True)
+
+    def f(i):
+        if torch.is_grad_enabled():
+            calls.append(i)
+        return (w * i).sum()
+
+    ys = gradmap.tmap(f, range(8), remat=True, chunksize=1)
+    (ys[2] + ys[5]).backward()
+    assert sorted(calls) == [2, 5]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_random_f_same_for_every_executor_and_remat(remat):
+    w = torch.randn(4, 3, requires_grad=True)
+    xs = _ragged(n=7)
+    drop = nn.Dropout(0.4)
+
+    def f(x):
+        return (drop(torch.tanh(x @ w)) ** 2).mean() + torch.rand(()) * x.sum()
+
+    def run(**kwargs):
+        torch.manual_seed(123)
+        ys = gradmap.tmap(f, xs, chunksize=2, **kwargs)
+        return (torch.stack(ys).detach(), *torch.autograd.grad(torch.stack(ys).sum(), [w, *xs]))
+
+    ref = run(executor="serial")
+    for kwargs in (
+        {"executor": "serial", "remat": remat},
+        {"workers": 2, "remat": remat},
+        {"workers": 4, "remat": remat},
+    ):
+        got = run(**kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), kwargs
+
+
+def test_random_draws_differ_between_elements_and_calls():
+    torch.manual_seed(0)
+    a = gradmap.tmap(lambda i: torch.rand(()), range(4))
+    b = gradmap.tmap(lambda i: torch.rand(()), range(4))
+    assert len({float(t) for t in a}) == 4
+    assert not torch.equal(torch.stack(a), torch.stack(b))
+
+
+def test_remat_double_backward():
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+
+    def g(xs, w):
+        f = lambda x: torch.sin(x @ w).sum() * x.sum()  # noqa: E731
+        return torch.stack(gradmap.tmap(f, xs, remat=True, chunksize=2))
+
+    assert torch.autograd.gradcheck(g, (xs, w))
+    assert torch.autograd.gradgradcheck(g, (xs, w))
+
+
+def test_remat_under_no_grad_records_nothing():
+    w = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        ys = gradmap.tmap(lambda x: (x * w).sum(), torch.randn(4, 3), remat=True)
+    assert not any(y.requires_grad for y in ys)
