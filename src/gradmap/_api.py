@@ -47,9 +47,10 @@ def tmap(
         executor: ``None`` or ``"threads"`` for gradmap's shared thread pool; ``"serial"`` for the
             reference, in the caller's thread (its backward runs elements in reverse order); or
             any ``concurrent.futures.Executor`` (used as given, never shut down by gradmap).
-        workers: threads that run chunks at once, the caller's included. Default: the cores
-            available to the process (the shared pool), or the executor's ``max_workers`` plus
-            the caller.
+        workers: threads that run chunks at once, each with one PyTorch intra-op thread. Default:
+            the cores available to the process (the shared pool, whose threads do the work while
+            the caller waits), or a user executor's ``max_workers`` plus the caller (which then
+            works on chunks too).
         chunksize: elements per chunk. Default: about 64 chunks. Chunks depend on the number of
             elements only, so results are bitwise the same for any ``workers``.
         strict: raise ``ValueError`` if the iterables have different lengths.
