@@ -166,10 +166,13 @@ def map_torch(
     j = 0
     for chunk in chunks:
         for el in chunk.elements:
+            # The results take the leaves over: the graph keeps no reference to the join's
+            # outputs (which would make a cycle through the join node's context).
+            leaves, el.leaves = el.leaves, []
             for pos in el.diff:
-                el.leaves[pos] = joined[j]
+                leaves[pos] = joined[j]
                 j += 1
-            results.append(unflatten(el.leaves, el.spec))
+            results.append(unflatten(leaves, el.spec))
     return results
 
 
