@@ -94,8 +94,9 @@ class SerialExecutor(Executor):
         raise AssertionError("the serial executor has no helpers")
 
 
-_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
 _pool_thread = threading.local()
 
 
@@ -109,22 +110,27 @@ def in_gradmap_pool() -> bool:
 
 
 def _shared_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool with ``threads`` threads, created on first use and reused after.
+    """The process-wide pool, with at least ``threads`` threads.
 
-    Threads start lazily (as the pool needs them) and are joined at interpreter exit.
+    Created on first use and reused after; a call that needs more threads than it has replaces it
+    with a larger one (the old one finishes what it was given and its threads exit). Threads start
+    lazily, as the pool needs them, and are joined at interpreter exit.
     """
-    pool = _pools.get(threads)
-    if pool is None:
-        with _pools_lock:
-            pool = _pools.get(threads)
-            if pool is None:
-                pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=threads,
-                    thread_name_prefix=f"gradmap-{threads}",
-                    initializer=_mark_pool_thread,
-                )
-                _pools[threads] = pool
-    return pool
+    global _pool, _pool_size
+    pool = _pool
+    if pool is not None and _pool_size >= threads:
+        return pool
+    with _pool_lock:
+        if _pool is None or _pool_size < threads:
+            old, _pool_size = _pool, max(threads, _pool_size)
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_pool_size,
+                thread_name_prefix="gradmap",
+                initializer=_mark_pool_thread,
+            )
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
 
 
 class ThreadExecutor(Executor):
@@ -141,7 +147,14 @@ class ThreadExecutor(Executor):
         super().__init__(available_cores() if workers is None else workers)
 
     def submit(self, helper: Callable[[], None]) -> None:
-        _shared_pool(self.workers).submit(helper)
+        while True:
+            pool = _shared_pool(self.workers)
+            try:
+                pool.submit(helper)
+                return
+            except RuntimeError:
+                if pool is _pool:  # not replaced by a larger pool meanwhile: a real failure
+                    raise
 
 
 class FuturesExecutor(Executor):
