@@ -1,7 +1,9 @@
 """Pytrees of items and results: tuples, lists, dicts, namedtuples, with any leaves.
 
-A thin layer over ``torch.utils._pytree``: a bare tensor (by far the most common item and result)
-skips the generic flatten, which costs a few microseconds per call on the hot path.
+A thin layer over PyTorch's pytrees -- ``torch.utils._cxx_pytree`` (optree, in C++: about 1 us
+for a small namedtuple) when optree is installed, else ``torch.utils._pytree`` (about 4 us); both
+know the same node types. A bare tensor (by far the most common item and result) skips the
+generic flatten altogether.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+try:
+    import torch.utils._cxx_pytree as pytree
+except ImportError:  # pragma: no cover - optree missing
+    import torch.utils._pytree as pytree  # type: ignore[no-redef]
 
 __all__ = ["Spec", "flatten", "unflatten"]
 
 #: ``None`` for a bare tensor, else the pytree spec.
-Spec = pytree.TreeSpec | None
+Spec = Any
 
 
 def flatten(tree: Any) -> tuple[list[Any], Spec]:

@@ -28,8 +28,11 @@ NOTE [capturing closure tensors]:
     inside a capture, and then routes the arguments like any other call. The same wrapper routes
     the arguments of the join node of a ``tmap`` nested inside ``f``.
 
-    Identity of "produced inside the element" is by ``id()``, so the capture keeps a strong
-    reference to each tensor it registers until the element ends (trap 9).
+    "Produced inside the element" is told by a tensor's autograd node: the capture records the
+    node of every result of every call in the element, by ``id()``, and keeps the node objects (not
+    the tensors, whose memory must be freed and reused as in the loop) until the element ends, so
+    that no id is reused meanwhile (trap 9). A leaf that an op inside the element made require grad
+    has no node; it is recorded, and kept, itself (a rare case).
 """
 
 from __future__ import annotations
@@ -128,8 +131,8 @@ class Capture(TorchFunctionMode):
         self._standin_of: dict[int, Tensor] = {}
         self._chunk_local: set[int] = set()
         self._chunk_keep: list[Tensor] = []
-        self._elem_local: set[int] = set()
-        self._elem_keep: list[Tensor] = []
+        self._elem_nodes: set[int] = set()
+        self._elem_keep: list[Any] = []
         self._quiet = False  # while set, the mode passes calls through untouched
         self._random: ElementRandom | None = None
 
@@ -138,13 +141,19 @@ class Capture(TorchFunctionMode):
     def begin_element(self, random: ElementRandom | None = None) -> None:
         """Forget the tensors of the previous element (only their ids were needed), and draw
         the next element's random numbers from ``random``."""
-        self._elem_local = set()
+        self._elem_nodes = set()
         self._elem_keep = []
         self._random = random
 
     def _is_foreign(self, t: Tensor) -> bool:
-        i = id(t)
-        return t.requires_grad and i not in self._elem_local and i not in self._chunk_local
+        return t.requires_grad and not self._is_local(t)
+
+    def _is_local(self, t: Tensor) -> bool:
+        """Whether ``t`` (which requires grad) was made in this element, or is a stand-in."""
+        if id(t) in self._chunk_local:
+            return True
+        node = t.grad_fn
+        return id(t if node is None else node) in self._elem_nodes
 
     def _cut(self, t: Tensor) -> Tensor:
         """A stand-in for ``t``: a fresh leaf, or a view of ``t`` when ``connected``."""
@@ -193,13 +202,11 @@ class Capture(TorchFunctionMode):
         routed: list[Any] | None = None
         for i, x in enumerate(args):
             if isinstance(x, Tensor):
-                if x.requires_grad:
-                    k = id(x)
-                    if k not in self._elem_local and k not in self._chunk_local:
-                        s = self._standin_of.get(k)
-                        if routed is None:
-                            routed = list(args)
-                        routed[i] = self.standin(x) if s is None else s
+                if x.requires_grad and not self._is_local(x):
+                    s = self._standin_of.get(id(x))
+                    if routed is None:
+                        routed = list(args)
+                    routed[i] = self.standin(x) if s is None else s
             elif type(x) in _CONTAINERS:
                 r = self.route(x)
                 if r is not x:
@@ -214,23 +221,30 @@ class Capture(TorchFunctionMode):
         values = obj.values() if type(obj) is dict else obj
         for x in values:
             if type(x) is Tensor or isinstance(x, Tensor):
-                if x.requires_grad:
-                    i = id(x)
-                    if i not in self._elem_local and i not in self._chunk_local:
-                        return True
+                if x.requires_grad and not self._is_local(x):
+                    return True
             elif type(x) in _CONTAINERS and self._has_foreign(x):
                 return True
         return False
 
     def register(self, out: Any) -> None:
-        """Mark what an op returned as produced inside the element."""
+        """Mark what an op returned as produced inside the element: by its autograd node, or,
+        for a leaf that an op made require grad (``requires_grad_()``), by the tensor itself."""
         if isinstance(out, Tensor):
-            if out.requires_grad:
-                self._elem_local.add(id(out))
-                self._elem_keep.append(out)
+            self._register_tensor(out)
         elif type(out) in (list, tuple):
             for o in out:
                 self.register(o)
+
+    def _register_tensor(self, out: Tensor) -> None:
+        node = out.grad_fn
+        if node is not None:
+            if id(node) not in self._elem_nodes:
+                self._elem_nodes.add(id(node))
+                self._elem_keep.append(node)
+        elif out.requires_grad:
+            self._elem_nodes.add(id(out))
+            self._elem_keep.append(out)
 
     # -- the mode ----------------------------------------------------------------------------
 
@@ -249,9 +263,10 @@ class Capture(TorchFunctionMode):
         else:
             out = func(*args)
         if type(out) is Tensor:
-            if out.requires_grad:
-                self._elem_local.add(id(out))
-                self._elem_keep.append(out)
+            node = out.grad_fn
+            if node is not None and id(node) in self._elem_nodes:
+                return out
+            self._register_tensor(out)
         else:
             self.register(out)
         return out

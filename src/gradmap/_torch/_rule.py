@@ -244,6 +244,9 @@ def _forward_elements(
     With ``remat``, ``f`` runs without recording a graph: the chunk keeps what it used (items,
     foreign tensors) and its results, and every floating-point result leaf is a join output.
     """
+    if remat:
+        with torch.no_grad():
+            return _forward_elements(f, elements, indices, run, seed, connected=connected)
     capture = Capture(connected)
     chunk = _Chunk(list(indices))
     item_originals, item_standins, outputs = (
@@ -277,7 +280,7 @@ def _forward_elements(
         capture.begin_element(ElementRandom(seed, i))
         # The mode is entered around f alone: gradmap's bookkeeping stays out of its way.
         try:
-            with capture, torch.set_grad_enabled(not remat):
+            with capture:
                 y = f(*args)
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward"))
@@ -290,8 +293,8 @@ def _forward_elements(
                 continue
             if leaf.requires_grad:
                 leaf = leaves[j] = capture.route(leaf)  # a foreign tensor returned as it is
-            elif not (remat and (leaf.is_floating_point() or leaf.is_complex())):
-                continue
+            elif torch.is_grad_enabled() or not (leaf.is_floating_point() or leaf.is_complex()):
+                continue  # without a graph (remat), every floating-point result is an output
             outputs.append(leaf)
             diff.append(j)
         chunk.elements.append(
@@ -299,9 +302,9 @@ def _forward_elements(
         )
     capture.begin_element()
     chunk.originals = capture.originals
-    if not remat:  # a remat chunk keeps no graph: its stand-ins are made anew in the backward
+    if torch.is_grad_enabled():
         chunk.standins = capture.standins
-    else:
+    else:  # remat: the chunk keeps no graph; its stand-ins are made anew in the backward
         chunk.item_standins = []
     return chunk
 
@@ -474,7 +477,7 @@ def _backward_recomputed(
         otherwise ``f`` must be deterministic.
     """
     assert graph.f is not None and graph.elements is not None
-    with graph.forward_state.autocast_context():
+    with torch.enable_grad(), graph.forward_state.autocast_context():
         fresh = _forward_elements(
             graph.f,
             graph.elements,
