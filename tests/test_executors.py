@@ -9,7 +9,6 @@ import torch
 
 import gradmap
 from gradmap._executors import available_cores, resolve_executor
-from gradmap._torch._state import ThreadState
 
 
 def test_default_is_shared_threads_on_all_cores():
@@ -48,9 +47,11 @@ def test_bad_executor_type():
         resolve_executor(42, None)
 
 
-def test_thread_budget_is_one_intra_op_thread():
-    assert ThreadState().intra_op_threads == 1
-    assert ThreadState(limit_threads=False).intra_op_threads is None
+def test_caller_thread_settings_untouched_by_a_pool_map():
+    before = torch.get_num_threads()
+    seen = gradmap.tmap(lambda i: torch.get_num_threads(), range(8), workers=2, chunksize=1)
+    assert torch.get_num_threads() == before
+    assert set(seen) == {1}
 
 
 def test_intra_op_threads_restored_after_map():

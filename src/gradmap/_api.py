@@ -9,7 +9,7 @@ import torch
 
 from ._errors import add_note
 from ._executors import Executor, resolve_executor
-from ._plan import plan_chunks
+from ._plan import check_chunksize, plan_chunks
 from ._torch._rule import map_torch
 
 __all__ = ["tmap", "zip_items"]
@@ -85,6 +85,8 @@ def tmap(
     if not callable(f):
         raise TypeError(f"gradmap.tmap: f must be callable, got {type(f).__name__}")
     resolved = resolve_executor(executor, workers)
+    if chunksize is not None:
+        check_chunksize(chunksize)  # before any item is read
     elements = zip_items(iterables, strict)
     plan = plan_chunks(len(elements), chunksize)
     if not elements:

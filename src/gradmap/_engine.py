@@ -3,10 +3,11 @@
 Framework-free: a chunk is an index and a callable; what happens inside is the adapter's business.
 
 One pass is a [`ChunkRun`][]: a counter of chunks not yet claimed, the results, and the first
-failure. The caller's thread and up to ``workers - 1`` helpers claim chunks from the counter until
-none are left (see NOTE [caller helps, no deadlock] in ``_executors``). When a chunk fails, no new
-chunk is claimed and chunks already running stop before their next element; the caller waits for
-them, so nothing is left running or half-done when the error reaches it.
+failure. Helpers (and the caller, when it helps) claim chunks from the counter until none are
+left (see NOTE [caller helps, no deadlock] in ``_executors``). When a chunk fails, later chunks are
+no longer claimed and stop before their next element, while earlier ones run on, so that the
+error reported is the lowest element's, as in the loop; the caller waits for every chunk another
+thread is running, so nothing is left running or half-done when the error reaches it.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def _no_context(is_caller: bool) -> AbstractContextManager[object]:
 class ChunkRun(Generic[T]):
     """One pass over the chunks; shared by the threads working on it.
 
-    Attributes:
-        cancelled: set once a chunk failed (or the caller was interrupted); a chunk in progress
-            should check it between elements and return early.
+    A chunk in progress should call ``stopped(k)`` between elements and return early when it says
+    so: after a failure in chunk ``j``, chunks after ``j`` stop and are no longer claimed, while
+    chunks before ``j`` run on (one of them may fail at a lower element, which is the one the loop
+    would have reported). An interrupt, or a failure in a reverse pass, stops everything.
     """
 
     def __init__(
@@ -53,27 +55,45 @@ class ChunkRun(Generic[T]):
         run_chunk: Callable[[int, ChunkRun[T]], T],
         on_done: Callable[[int], None] | None = None,
     ) -> None:
-        self.cancelled = False
         self._on_done = on_done
         self._order = order
+        self._reverse = len(order) > 1 and order[0] > order[-1]
         self._run_chunk: Callable[[int, ChunkRun[T]], T] | None = run_chunk
         self._results: list[T | None] = [None] * len(order)
         self._failures: dict[int, BaseException] = {}
-        self._claimed = 0
-        self._done = 0
+        self._next = 0
+        # Claims and completions per thread: a waiting thread never waits for a chunk it claimed
+        # itself (an interrupt may have cut that chunk short anywhere).
+        self._claimed_by: dict[int, int] = {}
+        self._done_by: dict[int, int] = {}
+        self._halted = False
+        self._stop_after: int | None = None
         self._cond = threading.Condition()
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether anything failed or the pass was cancelled (``stopped`` is finer-grained)."""
+        return self._halted or self._stop_after is not None
+
+    def stopped(self, chunk: int) -> bool:
+        """Whether ``chunk`` should stop before its next element."""
+        return self._halted or (self._stop_after is not None and chunk > self._stop_after)
+
     def _claim(self) -> int | None:
+        me = threading.get_ident()
         with self._cond:
-            if self.cancelled or self._claimed >= len(self._order):
+            if self._halted or self._next >= len(self._order):
                 return None
-            k = self._claimed
-            self._claimed += 1
-            return self._order[k]
+            chunk = self._order[self._next]
+            if self._stop_after is not None and chunk > self._stop_after:
+                return None
+            self._next += 1
+            self._claimed_by[me] = self._claimed_by.get(me, 0) + 1
+            return chunk
 
     def work(self, context: AbstractContextManager[object]) -> None:
         """Claim and run chunks until none are left; the body of every thread of the pass."""
-        if self._claimed >= len(self._order):
+        if self._next >= len(self._order) or self._halted:
             return  # a helper that started late: nothing left (checked again under the lock)
         was_worker = in_worker()
         _worker.active = True
@@ -81,11 +101,8 @@ class ChunkRun(Generic[T]):
             with context:
                 while (chunk := self._claim()) is not None:
                     self._run_one(chunk)
-        except BaseException as exc:  # a failure of the context itself
-            with self._cond:
-                self._failures.setdefault(-1, exc)
-                self.cancelled = True
-                self._cond.notify_all()
+        except BaseException as exc:  # a failure of the context, or an interrupt in between
+            self._fail(-1, exc)
         finally:
             _worker.active = was_worker
 
@@ -97,25 +114,43 @@ class ChunkRun(Generic[T]):
             if self._on_done is not None:
                 self._on_done(chunk)
         except BaseException as exc:
-            with self._cond:
-                self._failures[chunk] = exc
-                self.cancelled = True
-                self._cond.notify_all()
+            self._fail(chunk, exc)
         finally:
+            me = threading.get_ident()
             with self._cond:
-                self._done += 1
+                self._done_by[me] = self._done_by.get(me, 0) + 1
                 self._cond.notify_all()
 
-    def cancel(self) -> None:
+    def _fail(self, chunk: int, exc: BaseException) -> None:
         with self._cond:
-            self.cancelled = True
+            self._failures.setdefault(chunk, exc)
+            if chunk < 0 or self._reverse or not isinstance(exc, Exception):
+                self._halted = True
+            elif self._stop_after is None or chunk < self._stop_after:
+                self._stop_after = chunk
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """Stop everything: no chunk is claimed any more, running ones stop early."""
+        with self._cond:
+            self._halted = True
             self._cond.notify_all()
 
     def wait(self) -> None:
-        """Wait until every chunk is done, or, once cancelled, every claimed chunk."""
+        """Wait until every chunk is done or, after a failure, until the chunks other threads
+        claimed are."""
+        me = threading.get_ident()
         count = len(self._order)
         with self._cond:
-            while self._done < (self._claimed if self.cancelled else count):
+            while True:
+                if self._halted or self._stop_after is not None:
+                    others = sum(
+                        n - self._done_by.get(t, 0) for t, n in self._claimed_by.items() if t != me
+                    )
+                    if others <= 0:
+                        return
+                elif sum(self._done_by.values()) >= count:
+                    return
                 self._cond.wait()
 
     def finish(self) -> list[T]:
@@ -147,7 +182,7 @@ def run_chunks(
     Arguments:
         executor: where helpers run.
         count: the number of chunks.
-        run_chunk: runs one chunk; it may return early when ``run.cancelled`` is set.
+        run_chunk: runs one chunk; it should return early when ``run.stopped(k)`` says so.
         reverse: claim chunks from the last to the first.
         context: the context each participating thread enters around its work.
         on_done: called with the index of each chunk that finished (for progress bars).

@@ -22,6 +22,7 @@ NOTE [caller helps, no deadlock]:
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import os
 import threading
 from collections.abc import Callable
@@ -59,13 +60,12 @@ class Executor:
         caller_helps: the caller's thread works on chunks (and ``workers - 1`` helpers are
             started); otherwise ``workers`` helpers do the work while the caller waits. A caller
             that is itself working on a map's chunk always helps (see the NOTE above).
-        limits_intra_op_threads: threads working on chunks use one PyTorch intra-op thread.
+
     """
 
     shares_memory: ClassVar[bool] = True
     reverse_backward: ClassVar[bool] = False
     caller_helps: ClassVar[bool] = True
-    limits_intra_op_threads: ClassVar[bool] = True
     name: ClassVar[str] = "executor"
 
     def __init__(self, workers: int) -> None:
@@ -84,7 +84,6 @@ class SerialExecutor(Executor):
     runs in reverse element order."""
 
     reverse_backward = True
-    limits_intra_op_threads = False  # the reference runs as the caller's own loop would
     name = "serial"
 
     def __init__(self, workers: int | None = None) -> None:
@@ -218,8 +217,14 @@ def resolve_executor(executor: object, workers: int | None) -> Executor:
         The executor to run chunks on.
     """
     if workers is not None:
-        if isinstance(workers, bool) or not isinstance(workers, int):
+        if isinstance(workers, bool):
             raise TypeError(f"gradmap.tmap: workers must be an int or None, got {workers!r}")
+        try:
+            workers = operator.index(workers)
+        except TypeError:
+            raise TypeError(
+                f"gradmap.tmap: workers must be an int or None, got {workers!r}"
+            ) from None
         if workers < 1:
             raise ValueError(
                 f"gradmap.tmap: workers must be at least 1, got {workers}; "

@@ -14,9 +14,10 @@ NOTE [chunk boundaries depend on the element count only]:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
-__all__ = ["TARGET_CHUNKS", "ChunkPlan", "plan_chunks"]
+__all__ = ["TARGET_CHUNKS", "ChunkPlan", "check_chunksize", "plan_chunks"]
 
 TARGET_CHUNKS = 64
 
@@ -48,14 +49,23 @@ def plan_chunks(n: int, chunksize: int | None = None) -> ChunkPlan:
         The plan.
     """
     if chunksize is None:
-        size = max(1, -(-n // TARGET_CHUNKS))
-    else:
-        if isinstance(chunksize, bool) or not isinstance(chunksize, int):
-            raise TypeError(f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}")
-        if chunksize < 1:
-            raise ValueError(
-                f"gradmap.tmap: chunksize must be at least 1, got {chunksize}; "
-                "pass chunksize=None to let gradmap choose"
-            )
-        size = chunksize
-    return ChunkPlan(n, size)
+        return ChunkPlan(n, max(1, -(-n // TARGET_CHUNKS)))
+    return ChunkPlan(n, check_chunksize(chunksize))
+
+
+def check_chunksize(chunksize: object) -> int:
+    """``chunksize`` as an int, or a clear error."""
+    if isinstance(chunksize, bool):
+        raise TypeError(f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}")
+    try:
+        size = operator.index(chunksize)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}"
+        ) from None
+    if size < 1:
+        raise ValueError(
+            f"gradmap.tmap: chunksize must be at least 1, got {size}; "
+            "pass chunksize=None to let gradmap choose"
+        )
+    return size

@@ -26,7 +26,7 @@ NOTE [the join node]:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +147,7 @@ def map_torch(
         # are state the worker threads do not share, and the join node has no forward rule, so
         # under a transform the map runs as the plain loop, in the caller's thread.
         return [f(*args) for args in elements]
-    state = ThreadState(limit_threads=executor.limits_intra_op_threads)
+    state = ThreadState()
     if not (torch.is_grad_enabled() and not state.inference):
         return _map_without_graph(f, elements, executor, plan, state, progress)
 
@@ -155,7 +155,9 @@ def map_torch(
     seed = MapSeed()
 
     def forward_chunk(k: int, run: ChunkRun[_Chunk]) -> _Chunk:
-        return _forward_elements(f, elements, range(*plan.bounds(k)), run, seed, remat=remat)
+        return _forward_elements(
+            f, elements, range(*plan.bounds(k)), lambda: run.stopped(k), seed, remat=remat
+        )
 
     chunks = _run_pass(executor, plan, forward_chunk, state, progress, "forward")
     graph = _MapGraph(f, elements, executor, chunks, state, progress, plan, seed, remat)
@@ -216,7 +218,7 @@ def _map_without_graph(
         start, stop = plan.bounds(k)
         out = []
         for i in range(start, stop):
-            if run.cancelled:
+            if run.stopped(k):
                 break
             try:
                 out.append(f(*elements[i]))
@@ -233,7 +235,7 @@ def _forward_elements(
     f: Any,
     elements: list[tuple[Any, ...]],
     indices: Sequence[int],
-    run: ChunkRun[Any] | None,
+    stop: Callable[[], bool] | None,
     seed: MapSeed,
     *,
     connected: bool = False,
@@ -246,7 +248,7 @@ def _forward_elements(
     """
     if remat:
         with torch.no_grad():
-            return _forward_elements(f, elements, indices, run, seed, connected=connected)
+            return _forward_elements(f, elements, indices, stop, seed, connected=connected)
     capture = Capture(connected)
     chunk = _Chunk(list(indices))
     item_originals, item_standins, outputs = (
@@ -256,7 +258,7 @@ def _forward_elements(
     )
     n = len(elements)
     for i in indices:
-        if run is not None and run.cancelled:
+        if stop is not None and stop():
             break
         item_lo = len(item_originals)
         args = []
@@ -332,9 +334,7 @@ class _Join(torch.autograd.Function):
             lo, hi = graph.output_bounds[k]
             return _backward_chunk(graph, chunks[k], cotangents[lo:hi], create_graph)
 
-        state = ThreadState(
-            grad_enabled=create_graph, limit_threads=executor.limits_intra_op_threads
-        )
+        state = ThreadState(grad_enabled=create_graph)
         per_chunk = _run_pass(
             executor,
             graph.plan,
@@ -476,6 +476,34 @@ def _backward_recomputed(
         forward's autocast and each element's random numbers (NOTE [random numbers per element]);
         otherwise ``f`` must be deterministic.
     """
+    try:
+        return _recompute_and_pull_back(graph, chunk, cotangents, live, create_graph)
+    except Exception as exc:
+        if len(live) == 1:
+            if not _has_gradmap_note(exc):
+                add_note(exc, element_note(chunk.indices[live[0][0]], graph.n, "backward"))
+            raise
+        for one in live:  # name the element: pull back one element at a time
+            try:
+                _recompute_and_pull_back(graph, chunk, cotangents, [one], create_graph)
+            except Exception as element_exc:
+                if not _has_gradmap_note(element_exc):
+                    add_note(element_exc, element_note(chunk.indices[one[0]], graph.n, "backward"))
+                raise element_exc from None
+        raise
+
+
+def _has_gradmap_note(exc: BaseException) -> bool:
+    return any(n.startswith("gradmap.tmap:") for n in getattr(exc, "__notes__", ()))
+
+
+def _recompute_and_pull_back(
+    graph: _MapGraph,
+    chunk: _Chunk,
+    cotangents: tuple[Tensor | None, ...],
+    live: list[tuple[int, int, int]],
+    create_graph: bool,
+) -> list[Tensor | None]:
     assert graph.f is not None and graph.elements is not None
     with torch.enable_grad(), graph.forward_state.autocast_context():
         fresh = _forward_elements(
@@ -505,16 +533,7 @@ def _backward_recomputed(
             outputs, inputs, grads_out, create_graph=True, allow_unused=True
         )
     else:
-        try:
-            _accumulate(outputs, grads_out)
-        except Exception as exc:
-            first, last = chunk.indices[live[0][0]], chunk.indices[live[-1][0]]
-            add_note(
-                exc,
-                f"gradmap.tmap: raised in the backward pass of elements {first}..{last} "
-                f"(of {graph.n}), recomputed",
-            )
-            raise
+        _accumulate(outputs, grads_out)
         grads = [s.grad for s in inputs]
     # Back to the chunk's layout: its items, then its foreign tensors.
     result: list[Tensor | None] = [None] * (len(chunk.item_originals) + len(chunk.originals))

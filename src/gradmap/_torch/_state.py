@@ -8,20 +8,20 @@ NOTE [thread-local state]:
     process-wide and need nothing.
 
 NOTE [intra-op threads]:
-    ``torch.set_num_threads`` is per thread under OpenMP (the CPU build's backend): a pool thread
-    keeps its own setting. Every thread working on a map's chunks -- pool threads and the caller's,
-    for the duration of the pass -- runs PyTorch ops on one intra-op thread, and the parallelism
-    comes from the workers. Two reasons: ``workers`` threads times one intra-op thread never
-    oversubscribes the cores with the default ``workers`` (the available cores); and reductions
-    and matrix products sum in an order that depends on the intra-op thread count, so a budget that
-    varied with ``workers`` would make gradients differ in the last bits between worker counts.
-    gradmap's own pool threads keep the setting for life; any other thread (a user executor's, or
-    a caller that works on chunks) gets its own setting back when the pass ends.
+    ``torch.set_num_threads`` is per thread under OpenMP (the CPU build's backend). gradmap's own
+    pool threads run PyTorch ops on one intra-op thread, set once when a thread first works on a
+    chunk and kept for its life; the parallelism comes from the workers. Two reasons: ``workers``
+    threads times one intra-op thread never oversubscribes the cores with the default ``workers``
+    (the available cores); and reductions and matrix products sum in an order that depends on the
+    intra-op thread count, so a count that varied with ``workers`` would make gradients differ in
+    the last bits between worker counts.
 
-    ``torch.set_num_threads`` also stores the value that a *new* thread copies at its first
-    parallel op. To leave that value as it was, a short-lived thread sets it back right after a
-    worker changes its own (the new thread's own setting dies with it). The serial executor, the
-    reference, leaves the caller's setting alone.
+    No other thread's setting is touched: not the caller's (which works on chunks only in a nested
+    map, already inside a pool thread, or with a user's executor), not a user executor's threads
+    (give such an executor ``initializer=lambda: torch.set_num_threads(1)`` to get the same
+    budget). ``torch.set_num_threads`` also stores the value that a *new* thread copies at its
+    first parallel op; a short-lived thread sets that back right after a pool thread changes its
+    own, so at most a thread starting in that instant, once per pool thread, sees the change.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ INTRA_OP_THREADS = 1
 class ThreadState:
     """A snapshot of the caller's state, entered by every thread of one pass."""
 
-    def __init__(self, grad_enabled: bool | None = None, limit_threads: bool = True) -> None:
+    def __init__(self, grad_enabled: bool | None = None) -> None:
         self.grad_enabled = torch.is_grad_enabled() if grad_enabled is None else grad_enabled
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = [
@@ -52,7 +52,6 @@ class ThreadState:
             if torch.is_autocast_enabled(dev)
         ]
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.intra_op_threads = INTRA_OP_THREADS if limit_threads else None
 
     @contextmanager
     def autocast_context(self) -> Iterator[None]:
@@ -70,28 +69,21 @@ class ThreadState:
 
     @contextmanager
     def enter(self, is_caller: bool) -> Iterator[None]:
-        """Enter the snapshot in this thread; the caller's thread only gets the thread budget."""
-        previous_threads = torch.get_num_threads()
-        budget = self.intra_op_threads
-        change_threads = budget is not None and previous_threads != budget
-        if change_threads:
-            assert budget is not None
-            _set_own_intra_op_threads(budget, previous_threads)
-        restore_threads = change_threads and not in_gradmap_pool()
-        try:
-            if is_caller:
-                yield
-                return
-            with ExitStack() as stack:
-                if self.inference:
-                    stack.enter_context(torch.inference_mode())
-                else:
-                    stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-                stack.enter_context(self.autocast_context())
-                yield
-        finally:
-            if restore_threads:
-                torch.set_num_threads(previous_threads)
+        """Enter the snapshot in this thread; the caller's thread already has it."""
+        if in_gradmap_pool():
+            threads = torch.get_num_threads()
+            if threads != INTRA_OP_THREADS:
+                _set_own_intra_op_threads(INTRA_OP_THREADS, threads)
+        if is_caller:
+            yield
+            return
+        with ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            else:
+                stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            stack.enter_context(self.autocast_context())
+            yield
 
 
 def _set_own_intra_op_threads(n: int, inherited: int) -> None:

@@ -1,0 +1,256 @@
+"""Leaks: thousands of maps, with and without a backward, on the success and the error paths.
+
+After a warm-up, the resident set (``/proc/self/statm``) must stay within ``RSS_BOUND_MB``, the
+number of live ``torch.Tensor`` objects (``gc.get_objects()``) must come back to its baseline, no
+map graph may survive, and no thread may be left behind. Each test runs under a hard deadline in a
+daemon thread, so that a hang fails it instead of blocking the run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+import gradmap
+from gradmap import _executors
+
+Tensor = torch.Tensor
+
+RSS_BOUND_MB = 30.0  # growth allowed after the warm-up
+TENSOR_SLACK = 4  # live tensors allowed above the baseline
+N_WITH_BACKWARD = 10_000
+N_WITHOUT_BACKWARD = 1_000
+N_ERRORS = 500
+
+
+def deadline(seconds: float) -> Callable[[Any], Any]:
+    """Run the test in a daemon thread and fail it if it is not done after ``seconds``."""
+
+    def decorate(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            box: dict[str, BaseException] = {}
+
+            def body() -> None:
+                try:
+                    fn(*args, **kwargs)
+                except BaseException as exc:
+                    box["exc"] = exc
+
+            t = threading.Thread(target=body, name=f"deadline-{fn.__name__}", daemon=True)
+            t.start()
+            t.join(seconds)
+            if t.is_alive():
+                pytest.fail(f"hang: {fn.__name__} still running after {seconds} s")
+            if "exc" in box:
+                raise box["exc"]
+
+        return wrapper
+
+    return decorate
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def live_tensors() -> int:
+    gc.collect()
+    # type(), not isinstance(): isinstance reads __class__, which some module proxies warn on.
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def live_map_graphs() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o).__name__ == "_MapGraph")
+
+
+def _spawn_all(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    n = pool._max_workers  # type: ignore[attr-defined]
+    barrier = threading.Barrier(n + 1)
+    futures = [pool.submit(barrier.wait, 10) for _ in range(n)]
+    barrier.wait(10)
+    for fut in futures:
+        fut.result(10)
+
+
+def settle_threads(*pools: concurrent.futures.ThreadPoolExecutor) -> int:
+    """Start every thread gradmap's shared pool (for 2 workers) and ``pools`` may have."""
+    gradmap.tmap(lambda i: torch.ones(1) * i, range(4))
+    shared = _executors._shared_pool(_executors.available_cores())
+    for pool in (shared, *pools):
+        _spawn_all(pool)
+    stop = time.monotonic() + 10
+    while time.monotonic() < stop:
+        if sum(t.name.startswith("gradmap") for t in threading.enumerate()) <= shared._max_workers:  # type: ignore[attr-defined]
+            break
+        time.sleep(0.01)
+    return threading.active_count()
+
+
+def assert_threads_back(baseline: int) -> None:
+    stop = time.monotonic() + 5
+    while threading.active_count() != baseline and time.monotonic() < stop:
+        time.sleep(0.005)
+    names = sorted(t.name for t in threading.enumerate())
+    assert threading.active_count() == baseline, f"threads: {names}, baseline {baseline}"
+
+
+@contextmanager
+def measured(label: str) -> Iterator[dict[str, float]]:
+    """Baseline before the body, bounds checked after; the figures go to the captured output."""
+    gc.collect()
+    before = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
+    figures: dict[str, float] = {}
+    yield figures
+    after = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
+    figures.update({f"{k}_before": v for k, v in before.items()})
+    figures.update({f"{k}_after": v for k, v in after.items()})
+    print(
+        f"{label}: RSS {before['rss']:.1f} -> {after['rss']:.1f} MB, "
+        f"tensors {before['tensors']} -> {after['tensors']}, "
+        f"map graphs {before['graphs']} -> {after['graphs']}"
+    )
+    assert after["graphs"] == 0, f"{label}: {after['graphs']} map graphs still alive"
+    assert after["tensors"] <= before["tensors"] + TENSOR_SLACK, f"{label}: {figures}"
+    assert after["rss"] - before["rss"] < RSS_BOUND_MB, f"{label}: {figures}"
+
+
+class _Map:
+    """A small map: 4 elements of a few rows, a parameter, items that require grad."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.weight = torch.randn(6, 5, generator=g, requires_grad=True)
+        self.items = [torch.randn(r, 5, generator=g, requires_grad=True) for r in (1, 3, 2, 4)]
+        self.inputs = [self.weight, *self.items]
+
+    def f(self, x: Tensor) -> Tensor:
+        return torch.tanh(x @ self.weight.T).sum()
+
+    def expected(self) -> tuple[Tensor, ...]:
+        return torch.autograd.grad(torch.stack([self.f(x) for x in self.items]).sum(), self.inputs)
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:  # type: ignore[override]
+        raise ValueError("backward failed")
+
+
+@pytest.fixture
+def user_pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        yield pool
+
+
+def _executors_for(pool: concurrent.futures.ThreadPoolExecutor) -> list[dict[str, Any]]:
+    return [{"executor": "threads"}, {"executor": "serial"}, {"executor": pool}]
+
+
+def _warm(m: _Map, executors: list[dict[str, Any]]) -> None:
+    """Warm up every path measured (the first assert_close alone imports ~50 MB of modules)."""
+    expected = m.expected()
+    for _ in range(100):
+        for kwargs in executors:
+            ys = gradmap.tmap(m.f, m.items, **kwargs)
+            grads = torch.autograd.grad(torch.stack(ys).sum(), m.inputs)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@deadline(90)
+def test_no_leak_over_many_maps_with_backward(user_pool: Any) -> None:
+    m = _Map()
+    expected = m.expected()
+    executors = _executors_for(user_pool)
+    baseline = settle_threads(user_pool)
+    _warm(m, executors)
+    with measured(f"{N_WITH_BACKWARD} maps with backward"):
+        for i in range(N_WITH_BACKWARD):
+            ys = gradmap.tmap(m.f, m.items, **executors[i % len(executors)])
+            grads = torch.autograd.grad(torch.stack(ys).sum(), m.inputs)
+            if i % 1000 == 0:
+                for g, e in zip(grads, expected, strict=True):
+                    torch.testing.assert_close(g, e)
+        del ys, grads
+    assert_threads_back(baseline)
+
+
+@deadline(60)
+def test_no_leak_when_the_graph_is_dropped(user_pool: Any) -> None:
+    """Maps whose graph is never pulled back, only partly, or kept by retain_graph/create_graph,
+    then dropped: nothing survives them."""
+    m = _Map()
+    executors = _executors_for(user_pool)
+    baseline = settle_threads(user_pool)
+    _warm(m, executors)
+    with measured(f"{N_WITHOUT_BACKWARD} maps dropped without backward"):
+        for i in range(N_WITHOUT_BACKWARD):
+            ys = gradmap.tmap(m.f, m.items, **executors[i % len(executors)])
+        del ys
+    with measured(f"{N_WITHOUT_BACKWARD} maps: partial, retained, create_graph, no_grad"):
+        for i in range(N_WITHOUT_BACKWARD):
+            kwargs = executors[i % len(executors)]
+            ys = gradmap.tmap(m.f, m.items, **kwargs)
+            if i % 4 == 0:
+                torch.autograd.grad(ys[1], m.weight)  # one element's output only
+            elif i % 4 == 1:
+                torch.stack(ys).sum().backward(retain_graph=True)
+            elif i % 4 == 2:
+                (g,) = torch.autograd.grad(torch.stack(ys).sum(), m.weight, create_graph=True)
+                g.pow(2).sum().backward()
+                del g
+            else:
+                with torch.no_grad():
+                    ys = gradmap.tmap(m.f, m.items, **kwargs)
+        del ys
+        for t in m.inputs:
+            t.grad = None
+    assert_threads_back(baseline)
+
+
+@deadline(60)
+def test_no_leak_on_errors(user_pool: Any) -> None:
+    m = _Map()
+    executors = _executors_for(user_pool)
+    baseline = settle_threads(user_pool)
+
+    def fails_forward(i: int) -> Tensor:
+        if i == 2:
+            raise ValueError("forward failed")
+        return m.f(m.items[i])
+
+    def fails_backward(i: int) -> Tensor:
+        y = m.f(m.items[i])
+        return _FailBackward.apply(y) if i == 1 else y
+
+    _warm(m, executors)
+    with measured(f"{N_ERRORS} failing forwards and {N_ERRORS} failing backwards"):
+        for i in range(N_ERRORS):
+            kwargs = executors[i % len(executors)]
+            with pytest.raises(ValueError, match="forward failed"):
+                gradmap.tmap(fails_forward, range(4), **kwargs)
+            ys = gradmap.tmap(fails_backward, range(4), **kwargs)
+            with pytest.raises(ValueError, match="backward failed"):
+                torch.stack(ys).sum().backward()
+        del ys
+        for t in m.inputs:
+            assert t.grad is None
+    assert_threads_back(baseline)
