@@ -144,7 +144,7 @@ def test_f_not_callable():
 
 
 def test_bad_executor_name():
-    with pytest.raises(ValueError, match=r"expected one of \['serial', 'threads'\]"):
+    with pytest.raises(ValueError, match=r"expected one of \['ray', 'serial', 'threads'\]"):
         gradmap.tmap(lambda x: x, [1], executor="procs")
 
 

@@ -198,9 +198,16 @@ def _is_shut_down(executor: concurrent.futures.Executor) -> bool:
     return bool(getattr(executor, "_shutdown", False) or getattr(executor, "_broken", False))
 
 
+def _ray_executor(workers: int | None) -> Executor:
+    from ._ray import RayExecutor  # lazy: Ray is an optional extra, imported on use
+
+    return RayExecutor(workers)
+
+
 _NAMES: dict[str, Callable[[int | None], Executor]] = {
     "threads": ThreadExecutor,
     "serial": SerialExecutor,
+    "ray": _ray_executor,
 }
 
 

@@ -58,7 +58,7 @@ def check_chunksize(chunksize: object) -> int:
     if isinstance(chunksize, bool):
         raise TypeError(f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}")
     try:
-        size = operator.index(chunksize)  # type: ignore[call-overload]
+        size = operator.index(chunksize)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
             f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}"

@@ -142,6 +142,10 @@ def map_torch(
     Returns:
         The results, in element order.
     """
+    if not executor.shares_memory:  # chunks in other processes: Ray
+        from .._ray import map_ray
+
+        return map_ray(f, elements, executor, plan, remat=remat, progress=progress)
     if _transforms_active():
         # NOTE [torch.func and forward AD]: functorch's interpreter stack and forward-AD levels
         # are state the worker threads do not share, and the join node has no forward rule, so

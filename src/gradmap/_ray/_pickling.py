@@ -1,0 +1,164 @@
+"""Pickling for the Ray executor: a tensor that requires grad travels as an identity.
+
+NOTE [tensors travel as identities]:
+    On the driver, ``f`` (once per call) and each chunk's items are pickled with cloudpickle by a
+    pickler whose ``persistent_id`` sees every tensor that requires grad reachable from them --
+    module parameters, closure tensors, attributes, tensors inside items, non-leaf tensors
+    computed before the call -- wherever it sits. Such a tensor is written as ``(pid, value)``:
+    a number in the call's [`TensorTable`][] (which keeps the original) and its detached value.
+    On a worker, the first load of a ``pid`` in a call makes a fresh leaf that requires grad (an
+    ``nn.Parameter`` for a parameter) and every later load of it, in ``f`` or in any chunk's items,
+    returns that same leaf, so ``f`` sees one object where the loop saw one.
+
+    The pickling cuts the graph, which is the cut the thread executor makes with its stand-ins
+    (``_torch/_capture.py``): a non-leaf original (``b = 2 * a``) gets its gradient as an input of
+    the join node, and its own upstream graph runs once, on the driver, with the summed gradient.
+
+    Tensors that do not require grad are written as their raw bytes (a ``PickleBuffer``, no
+    ``torch.save`` per storage) and only their own elements: a row of a large tensor (``tmap``
+    over a tensor iterates over its rows) does not drag the whole storage along, which the
+    default tensor pickling would. Results come back through a pickler that detaches every
+    tensor that requires grad (the join outputs are detached on the worker).
+
+    Functions and classes of importable modules are pickled by reference (cloudpickle's rule):
+    the worker imports them, and their *module globals* are the worker's own. A tensor that
+    requires grad reached that way is not the caller's; the worker refuses it (see ``_worker``).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from ray import cloudpickle
+from torch import nn
+
+__all__ = ["LeafTable", "TensorTable", "dumps", "dumps_results", "loads", "loads_results"]
+
+Tensor = torch.Tensor
+
+_PID_TAG = "gradmap.grad"
+_DETACHED_TAG = "gradmap.detached"
+
+
+def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    if len(buffer):
+        raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    else:
+        raw = torch.empty(0, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def _reduce_tensor(t: Tensor) -> Any:
+    """A plain CPU tensor as its bytes; ``NotImplemented`` for anything else (default pickling)."""
+    if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
+        return NotImplemented
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a strided or expanded 1-d view (even of size 1)
+        flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
+    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    buffer = pickle.PickleBuffer(raw.numpy())  # type: ignore[arg-type]
+    return _rebuild_tensor, (buffer, t.dtype, tuple(t.shape))
+
+
+class TensorTable:
+    """The tensors that require grad in one call's payloads, numbered in order of first sight.
+
+    Attributes:
+        tensors: the originals, by pid.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self._refs: dict[int, tuple[str, int, Tensor, bool]] = {}
+
+    def ref(self, t: Tensor) -> tuple[str, int, Tensor, bool]:
+        """The persistent id of ``t``: the same tuple object every time, so that a payload that
+        holds ``t`` twice carries its value once (pickle memoizes the tuple)."""
+        ref = self._refs.get(id(t))
+        if ref is None:
+            pid = len(self.tensors)
+            self.tensors.append(t)  # also keeps id(t) from being reused
+            ref = (_PID_TAG, pid, t.detach(), isinstance(t, nn.Parameter))
+            self._refs[id(t)] = ref
+        return ref
+
+
+class LeafTable:
+    """A worker's leaves for the caller's tensors of one call: pid to leaf, and back."""
+
+    def __init__(self) -> None:
+        self.leaves: dict[int, Tensor] = {}
+        self._pids: dict[int, int] = {}
+
+    def leaf(self, pid: int, value: Tensor, is_parameter: bool) -> Tensor:
+        leaf = self.leaves.get(pid)
+        if leaf is None:
+            leaf = nn.Parameter(value) if is_parameter else value.requires_grad_()
+            self.leaves[pid] = leaf
+            self._pids[id(leaf)] = pid
+        return leaf
+
+    def pid(self, t: Tensor) -> int | None:
+        """The pid of ``t`` if it is one of the leaves, else ``None``."""
+        return self._pids.get(id(t))
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, with tensors that require grad replaced (by ``table`` ids, or detached)."""
+
+    def __init__(self, file: io.BytesIO, table: TensorTable | None) -> None:
+        super().__init__(file, protocol=5)
+        self._table = table
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, Tensor) and obj.requires_grad:
+            if self._table is not None:
+                return self._table.ref(obj)
+            return (_DETACHED_TAG, obj.detach())
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is Tensor:
+            return _reduce_tensor(obj)
+        return super().reducer_override(obj)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, leaves: LeafTable | None) -> None:
+        super().__init__(file)
+        self._leaves = leaves
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == _DETACHED_TAG:
+            return pid[1]
+        _, number, value, is_parameter = pid
+        assert self._leaves is not None, "a payload with tensor ids loaded without a call"
+        return self._leaves.leaf(number, value, is_parameter)
+
+
+def dumps(obj: Any, table: TensorTable) -> bytes:
+    """Pickle ``obj`` on the driver, numbering its tensors that require grad in ``table``."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, table).dump(obj)
+    return buffer.getvalue()
+
+
+def loads(data: bytes, leaves: LeafTable) -> Any:
+    """Unpickle a driver payload on a worker; ``leaves`` is the call's, shared by all its
+    payloads."""
+    return _Unpickler(io.BytesIO(data), leaves).load()
+
+
+def dumps_results(obj: Any) -> bytes:
+    """Pickle ``obj`` with every tensor that requires grad detached (results, gradients)."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, None).dump(obj)
+    return buffer.getvalue()
+
+
+def loads_results(data: bytes) -> Any:
+    """Unpickle what [`dumps_results`][] made."""
+    return _Unpickler(io.BytesIO(data), None).load()

@@ -1,0 +1,272 @@
+"""Running the chunks of one pass on the actors: dynamic assignment, lost workers, errors.
+
+NOTE [a pass over the actors]:
+    A call carries a batch of chunks, sized as in guided self-scheduling: the actor with room
+    takes ``ceil(left / (GUIDED * actors))`` of the chunks left, so calls shrink to single chunks
+    at the end, where they balance the actors' loads -- but at most twice as many as the actor
+    had before in the pass, so that its first call (one chunk) starts at once. An actor call
+    costs the driver about half a millisecond and the actor about as much (measured with Ray
+    2.60), and the chunk plan's ~64 chunks are often a few milliseconds of work each: one call
+    per chunk would spend a large part of the pass on calls. Batching changes no result: every
+    chunk is still run and answered on its own (its gradient sum stays its own, for the
+    fixed-order sum). Every actor has at most ``depth`` calls in flight (two: while it runs one,
+    the next one's arguments are on their way). A chunk may be *owned* -- its graph lives on
+    one actor, which alone can pull it back -- and then waits for that actor; otherwise any
+    actor takes it.
+
+    A call can end four ways:
+    - a result: handed to ``on_result``;
+    - :data:`~gradmap._ray._worker.LOST` (the owner no longer holds the chunk: it was restarted
+      after its process died): the chunk becomes a free *recompute* job;
+    - a lost actor (its process died, or Ray cannot reach it; Ray restarts the actor, without the
+      state it had): the chunk goes again, as a recompute for an owned chunk, to another actor;
+      the actor's other owned chunks go the same way, since their graphs are gone (re-running
+      more than needed is never wrong: a chunk's gradient comes from exactly one call). The lost
+      actor gets no more work until a ping says it is back: while Ray restarts an actor, calls to
+      it fail at once, and sending them would spend a chunk's attempts in milliseconds;
+    - an exception raised by ``f`` or its backward: no more chunks start, the calls in flight
+      finish, and the exception of the lowest batch is raised -- unwrapped from Ray's
+      ``RayTaskError``, as the same object ``f`` raised with its notes.
+    A chunk that loses its actor more than ``max_attempts`` times fails with a ``RuntimeError``, so
+    does a pass whose actors are all lost for ``restart_timeout`` seconds, and with ``timeout``
+    set, a pass in which no call finishes for that long fails with a ``TimeoutError``: never a
+    hang, never a wrong gradient. The driver waits with ``ray.wait`` in
+    slices of a second, so ``KeyboardInterrupt`` reaches it; queued calls are then cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._errors import add_note
+from ._worker import LOST
+
+__all__ = ["Job", "run_pass"]
+
+#: How a batch of chunks is run: ``(jobs, actor index, recompute) -> ObjectRef`` of a list with
+#: one value per job.
+Submit = Callable[[list["Job"], int, bool], Any]
+
+#: A call takes ``1 / (GUIDED * actors)`` of the chunks left.
+GUIDED = 2
+
+
+class Job:
+    """One chunk of a pass: ``owner`` is the actor holding its graph, or ``None`` (any actor;
+    then ``recompute`` says whether the call is a recompute)."""
+
+    __slots__ = ("attempts", "chunk", "owner", "recompute")
+
+    def __init__(self, chunk: int, owner: int | None, recompute: bool = False) -> None:
+        self.chunk = chunk
+        self.owner = owner
+        self.recompute = recompute
+        self.attempts = 0
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The exception ``f`` raised, out of Ray's ``RayTaskError`` wrapper, with the worker's
+    traceback as a note."""
+    from ray.exceptions import RayTaskError
+
+    if not isinstance(exc, RayTaskError):
+        return exc
+    cause = getattr(exc, "cause", None)
+    if not isinstance(cause, BaseException):
+        return exc
+    trace = getattr(exc, "traceback_str", "")
+    if trace:
+        add_note(cause, "gradmap.tmap: the Ray worker's traceback:\n" + trace.rstrip())
+    return cause
+
+
+def _lost_actor(exc: BaseException) -> bool:
+    from ray.exceptions import (
+        ObjectLostError,
+        RayActorError,
+        RayTaskError,
+        TaskCancelledError,
+        WorkerCrashedError,
+    )
+
+    system = (RayActorError, WorkerCrashedError, ObjectLostError, TaskCancelledError)
+    if isinstance(exc, RayTaskError):
+        return isinstance(getattr(exc, "cause", None), system)
+    return isinstance(exc, system)
+
+
+def run_pass(
+    actors: int,
+    jobs: Sequence[Job],
+    submit: Submit,
+    on_result: Callable[[int, int, Any], None],
+    ping: Callable[[int], Any],
+    *,
+    depth: int = 2,
+    timeout: float | None = None,
+    restart_timeout: float = 120.0,
+    max_attempts: int = 3,
+    describe: Callable[[int], str] = str,
+) -> None:
+    """Run ``jobs`` on ``actors`` actors; see NOTE [a pass over the actors].
+
+    Arguments:
+        actors: the number of actors (indices ``0..actors-1``).
+        jobs: the chunks to run, in the order to start them.
+        submit: starts one call on a batch of jobs and returns its ``ObjectRef``.
+        on_result: called with ``(chunk, actor, value)`` for each chunk's result.
+        ping: starts a call that only answers (is the actor back?) and returns its ``ObjectRef``.
+        depth: calls in flight per actor.
+        timeout: seconds without any call finishing before the pass fails; ``None``: no limit.
+        restart_timeout: seconds the pass may have no actor to run on before it fails.
+        max_attempts: lost actors one chunk may meet before the pass fails.
+        describe: names a chunk in errors.
+
+    Raises:
+        The first (lowest chunk's) exception of ``f``, or RuntimeError / TimeoutError.
+    """
+    import ray
+
+    owned: list[deque[Job]] = [deque() for _ in range(actors)]
+    free: deque[Job] = deque()
+    for first in jobs:
+        (free if first.owner is None else owned[first.owner]).append(first)
+    load = [0] * actors
+    up = [True] * actors  # False from a loss until a ping answers
+    probe_at: dict[int, float] = {}  # lost actors without a ping in flight: when to ping them
+    inflight: dict[Any, tuple[list[Job] | None, int]] = {}  # a work call, or a ping (None)
+    failures: dict[int, BaseException] = {}
+
+    def requeue(job: Job) -> None:
+        job.attempts += 1
+        if job.attempts > max_attempts:
+            failures.setdefault(
+                job.chunk,
+                RuntimeError(
+                    f"gradmap.tmap: {describe(job.chunk)} lost its Ray worker {job.attempts} "
+                    "times; giving up (see the Ray logs for why the workers died: a crash in f, "
+                    "or too little memory?)"
+                ),
+            )
+        if job.owner is not None:
+            job.owner, job.recompute = None, True
+        free.append(job)
+
+    def on_lost(actor: int) -> None:
+        if up[actor]:
+            up[actor] = False
+            probe_at[actor] = time.monotonic()
+        while owned[actor]:  # their graphs are gone with the actor
+            job = owned[actor].popleft()
+            job.owner, job.recompute = None, True
+            free.append(job)
+
+    sent = [0] * actors  # chunks sent to each actor in this pass
+
+    def take(queue: deque[Job], share: int, actor: int) -> list[Job]:
+        # Guided, but at most twice what the actor had so far: its first call starts at once
+        # (the driver pickles a forward's items as it sends them).
+        size = max(1, min(-(-len(queue) // (GUIDED * share)), 2 * sent[actor]))
+        batch = [queue.popleft()]
+        # Consecutive chunks of one kind only (a batch is one call of one method).
+        while len(batch) < size and queue and queue[0].recompute == batch[0].recompute:
+            batch.append(queue.popleft())
+        return batch
+
+    def fill() -> None:
+        progress = True
+        while progress and not failures:
+            progress = False
+            share = max(1, sum(up))
+            for a in range(actors):
+                if not up[a] or load[a] >= depth:
+                    continue
+                if owned[a]:
+                    batch = take(owned[a], 1, a)
+                elif free:
+                    batch = take(free, share, a)
+                else:
+                    continue
+                sent[a] += len(batch)
+                inflight[submit(batch, a, batch[0].recompute)] = (batch, a)
+                load[a] += 1
+                progress = True
+
+    def working() -> int:
+        return sum(load)
+
+    try:
+        last = down_since = time.monotonic()
+        while True:
+            now = time.monotonic()
+            for a, when in list(probe_at.items()):
+                if when <= now:
+                    del probe_at[a]
+                    inflight[ping(a)] = (None, a)
+            if not working():
+                last = now  # nothing was in flight: no call is late
+            fill()
+            if not working() and (failures or not (free or any(owned))):
+                break
+            if any(up):
+                down_since = now
+            elif now - down_since > restart_timeout:
+                raise RuntimeError(
+                    f"gradmap.tmap: every Ray worker of this map was lost and none came back "
+                    f"within {restart_timeout} s"
+                )
+            if timeout is not None and working() and now - last > timeout:
+                raise TimeoutError(
+                    f"gradmap.tmap: no chunk finished on the Ray workers in {timeout} s "
+                    f"({working()} in flight)"
+                )
+            wait = 1.0 if not probe_at else max(0.0, min(1.0, min(probe_at.values()) - now))
+            if not inflight:
+                time.sleep(wait)
+                continue
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait)
+            for ref in ready:
+                batch, actor = inflight.pop(ref)
+                try:
+                    values = ray.get(ref)
+                except BaseException as exc:
+                    if batch is None:  # a ping: not back yet
+                        if not isinstance(exc, Exception):
+                            raise
+                        probe_at[actor] = time.monotonic() + _PING_INTERVAL
+                        continue
+                    load[actor] -= 1
+                    if _lost_actor(exc):
+                        on_lost(actor)
+                        for job in batch:
+                            requeue(job)
+                    elif isinstance(exc, Exception):
+                        failures.setdefault(batch[0].chunk, _unwrap(exc))
+                    else:
+                        raise
+                    continue
+                if batch is None:
+                    up[actor] = True
+                    continue
+                load[actor] -= 1
+                last = time.monotonic()
+                for job, value in zip(batch, values):
+                    if isinstance(value, str) and value == LOST:
+                        requeue(job)
+                    else:
+                        on_result(job.chunk, actor, value)
+    except BaseException:
+        for ref in inflight:
+            with contextlib.suppress(Exception):  # a call that cannot be cancelled runs out
+                ray.cancel(ref)
+        raise
+    if failures:
+        raise failures[min(failures)]
+
+
+#: Seconds between pings of a lost actor.
+_PING_INTERVAL = 0.2

@@ -1,0 +1,360 @@
+"""The worker: a Ray actor that runs chunks of calls, keeps their graphs, and pulls them back.
+
+It reuses the thread executor's chunk machinery as it is (``_torch/_rule.py``): a chunk's forward
+is ``_forward_elements`` -- the capture of the tensors ``f`` uses, stand-ins per chunk, random
+numbers per element, routed ``autograd.Function`` calls, notes naming a failing element -- and its
+pullback is ``_backward_chunk``, with its handling of missing and zero cotangents. The leaves that
+arrived for the caller's tensors (``_pickling``) play the part of the caller's tensors: the
+capture cuts them into stand-ins per chunk, so each chunk's gradient for them is its own sum,
+whatever else ran on this actor.
+
+Methods (the work methods take a batch of consecutive chunks and answer per chunk):
+    ``forward``: run chunks; keep their graphs (unless ``remat`` or grad mode is off); return
+        their results, detached.
+    ``backward``: pull kept chunks back; :data:`LOST` for a chunk this actor does not hold (it
+        was restarted, or the state was released).
+    ``recompute``: the stateless pullback: run a chunk's forward again from its items and pull
+        it back at once (``remat=True``, and chunks whose actor was lost).
+    ``release``: forget a call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from .._errors import add_note, element_note
+from .._torch._capture import install_apply_hook
+from .._torch._random import MapSeed
+from .._torch._rule import _backward_chunk, _Chunk, _forward_elements
+from .._torch._state import ThreadState
+from ._pickling import LeafTable, dumps_results, loads
+
+__all__ = ["LOST", "CallSpec", "Worker", "in_worker"]
+
+Tensor = torch.Tensor
+
+#: What ``backward`` returns for a chunk this actor does not hold.
+LOST = "gradmap.lost"
+
+_in_worker = False
+
+
+def in_worker() -> bool:
+    """Whether this process is one of gradmap's Ray workers."""
+    return _in_worker
+
+
+class ShippedSeed(MapSeed):
+    """The map's seed base, drawn from a copy of the driver's global generator state.
+
+    The thread executor draws the base from the global generator on the first random call of a
+    map (NOTE [random numbers per element]). A worker draws it the same way from the state the
+    driver had when the map started, so the base is the one the threads would have drawn; the
+    worker reports that it drew, and the driver then makes the same draw to leave its generator
+    where the threads would have left it.
+    """
+
+    def __init__(self, state: Tensor) -> None:
+        super().__init__()
+        self._state = state
+        self.drawn = False
+
+    def base(self) -> int:
+        if self._base is None:
+            generator = torch.Generator()
+            generator.set_state(self._state)
+            self._base = int(
+                torch.randint(0, 2**62, (), dtype=torch.int64, generator=generator).item()
+            )
+        self.drawn = True
+        return self._base
+
+
+@dataclass
+class CallSpec:
+    """What every chunk of a call shares, shipped once per call with ``f``.
+
+    Attributes:
+        n: the number of elements of the map.
+        rng_state: the driver's global generator state when the map started.
+        forward_state: the caller's grad mode, inference mode and autocast.
+        default_dtype: the caller's ``torch.get_default_dtype()`` (process-wide: it does not
+            travel by itself).
+        graph: record graphs (grad mode on, not inference).
+        remat: keep no graph in the forward.
+    """
+
+    n: int
+    rng_state: Tensor
+    forward_state: ThreadState
+    default_dtype: torch.dtype
+    graph: bool
+    remat: bool
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class _Window(Sequence[Any]):
+    """The elements of one chunk, indexed by their place in the whole map (``_forward_elements``
+    indexes elements globally: the element notes and random seeds use the global index)."""
+
+    def __init__(self, items: list[tuple[Any, ...]], start: int, n: int) -> None:
+        self._items = items
+        self._start = start
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._items[i - self._start]
+
+
+@dataclass
+class _GraphView:
+    """The two attributes of the driver's map graph that ``_backward_chunk`` reads."""
+
+    n: int
+    remat: bool = False
+
+
+def _view(n: int) -> Any:
+    return _GraphView(n)
+
+
+@dataclass
+class _Kept:
+    chunk: _Chunk
+    pids: list[int]  # the pid of each item stand-in, then of each foreign stand-in
+
+
+@dataclass
+class _CallState:
+    f: Any
+    spec: CallSpec
+    leaves: LeafTable
+    seed: ShippedSeed
+    chunks: dict[int, _Kept] = field(default_factory=dict)
+
+
+class ForeignTensorError(RuntimeError):
+    """``f`` used a tensor that requires grad and did not travel from the caller."""
+
+
+class Worker:
+    """The actor class (wrapped with ``ray.remote`` by the pool)."""
+
+    def __init__(self, threads: int) -> None:
+        global _in_worker
+        _in_worker = True
+        self._threads = threads
+        torch.set_num_threads(threads)
+        install_apply_hook()
+        self._calls: dict[str, _CallState] = {}
+
+    # -- small methods ---------------------------------------------------------------------
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stored(self) -> int:
+        """How many calls this actor holds state for (graphs, ``f``)."""
+        return len(self._calls)
+
+    def release(self, call_id: str) -> None:
+        self._calls.pop(call_id, None)
+
+    # -- the work ----------------------------------------------------------------------------
+
+    def _call(self, call_id: str, box: list[Any]) -> _CallState:
+        state = self._calls.get(call_id)
+        if state is None:
+            import ray
+
+            leaves = LeafTable()
+            f, spec = loads(ray.get(box[0]), leaves)
+            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state))
+            self._calls[call_id] = state
+        self._check_threads()
+        return state
+
+    def forward(self, call_id: str, box: list[Any], chunks: list[tuple[int, int, bytes]]) -> list:
+        """Run chunks, each given as ``(chunk, start, items)``; keep their graphs if there are.
+
+        Returns:
+            For each chunk, the pickled ``(results, diff, used, drawn)``: each element's result
+            with its join outputs detached; the positions of the join outputs in each result's
+            leaves; the pids of the caller's tensors the chunk used; whether this actor has drawn
+            the map's seed.
+        """
+        state = self._call(call_id, box)
+        return [self._forward(state, k, start, items) for k, start, items in chunks]
+
+    def _forward(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
+        spec = state.spec
+        local = cast(list, loads(items, state.leaves))
+        indices = range(start, start + len(local))
+        if not spec.graph:
+            with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+                results = []
+                for i, args in zip(indices, local):
+                    try:
+                        results.append(state.f(*args))
+                    except BaseException as exc:
+                        add_note(exc, element_note(i, spec.n, "forward"))
+                        raise
+            return dumps_results((results, None, [], False))
+        window = cast(list, _Window(local, start, spec.n))
+        with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+            record = _forward_elements(state.f, window, indices, None, state.seed, remat=spec.remat)
+        pids = _pids(state, record)
+        if not spec.remat:
+            state.chunks[k] = _Kept(record, pids)
+        return dumps_results(
+            (
+                [_detached_tree(el) for el in record.elements],
+                [el.diff for el in record.elements],
+                sorted(set(pids)),
+                state.seed.drawn,
+            )
+        )
+
+    def backward(
+        self, call_id: str, chunks: list[tuple[int, bytes]], backward_state: ThreadState
+    ) -> list:
+        """Pull back kept chunks, each given as ``(chunk, cotangents)`` (one cotangent per join
+        output of the chunk).
+
+        Returns:
+            For each chunk, its pickled gradients, ``[(pid, gradient), ...]`` summed per pid
+            within the chunk; or :data:`LOST` if this actor does not hold the chunk.
+        """
+        state = self._calls.get(call_id)
+        out: list[Any] = []
+        for k, cotangents in chunks:
+            kept = None if state is None else state.chunks.get(k)
+            if state is None or kept is None:
+                out.append(LOST)
+                continue
+            self._check_threads()
+            cots = tuple(loads(cotangents, state.leaves))
+            with backward_state.enter(False), _default_dtype(state.spec.default_dtype):
+                grads = _backward_chunk(_view(state.spec.n), kept.chunk, cots, False)
+            out.append(dumps_results(_by_pid(kept.pids, grads)))
+        return out
+
+    def recompute(
+        self,
+        call_id: str,
+        box: list[Any],
+        chunks: list[tuple[int, bytes, list[list[int]], bytes]],
+        backward_state: ThreadState,
+    ) -> list:
+        """The stateless pullback of chunks, each given as ``(start, items, diff, cotangents)``:
+        the chunk's forward again, then its backward.
+
+        ``diff`` gives, per element, the result leaves the cotangents belong to (as the forward
+        reported them). The fresh forward keeps a graph whatever ``remat`` says, and is pulled
+        back by the same code as a kept chunk, so the gradients are those a kept chunk would
+        have given (``f`` must be deterministic apart from its random numbers, which are
+        replayed).
+
+        Returns:
+            For each chunk, its pickled gradients, as ``backward`` returns them.
+        """
+        state = self._call(call_id, box)
+        return [
+            self._recompute(state, start, items, diff, cotangents, backward_state)
+            for start, items, diff, cotangents in chunks
+        ]
+
+    def _recompute(
+        self,
+        state: _CallState,
+        start: int,
+        items: bytes,
+        diff: list[list[int]],
+        cotangents: bytes,
+        backward_state: ThreadState,
+    ) -> bytes:
+        spec = state.spec
+        local = cast(list, loads(items, state.leaves))
+        cots = loads(cotangents, state.leaves)
+        window = cast(list, _Window(local, start, spec.n))
+        with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+            fresh = _forward_elements(
+                state.f, window, range(start, start + len(local)), None, state.seed
+            )
+        pids = _pids(state, fresh)
+        # The cotangent of each fresh join output, found by (element, leaf position).
+        given: dict[tuple[int, int], Any] = {}
+        o = 0
+        for e, positions in enumerate(diff):
+            for pos in positions:
+                given[e, pos] = cots[o]
+                o += 1
+        aligned = tuple(
+            given.get((e, pos)) for e, el in enumerate(fresh.elements) for pos in el.diff
+        )
+        with backward_state.enter(False), _default_dtype(spec.default_dtype):
+            grads = _backward_chunk(_view(spec.n), fresh, aligned, False)
+        return dumps_results(_by_pid(pids, grads))
+
+    def _check_threads(self) -> None:
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+
+
+def _pids(state: _CallState, record: _Chunk) -> list[int]:
+    """The pid of each item stand-in, then of each foreign stand-in, of a chunk's record."""
+    pids = []
+    for t in [*record.item_originals, *record.originals]:
+        pid = state.leaves.pid(t)
+        if pid is None:
+            raise ForeignTensorError(
+                "gradmap.tmap(executor='ray'): f used a tensor that requires grad but did not "
+                f"come from the caller (shape {tuple(t.shape)}): the worker's own copy of a "
+                "module global, or a tensor f cached on the worker. Only tensors reachable "
+                "from f and the items travel (cloudpickle pickles functions of importable "
+                "modules by reference, so their globals are the worker's): pass the tensor "
+                "as an attribute, closure or item, or register the module with "
+                "ray.cloudpickle.register_pickle_by_value."
+            )
+        pids.append(pid)
+    return pids
+
+
+def _detached_tree(el: Any) -> Any:
+    from .._tree import unflatten
+
+    leaves = list(el.leaves)
+    for pos in el.diff:
+        leaves[pos] = leaves[pos].detach()
+    return unflatten(leaves, el.spec)
+
+
+def _by_pid(pids: list[int], grads: list[Tensor | None] | None) -> list[tuple[int, Tensor]]:
+    """The chunk's gradients summed per pid, in the order of first sight (deterministic)."""
+    if grads is None:
+        return []
+    total: dict[int, Tensor] = {}
+    for pid, g in zip(pids, grads):
+        if g is None:
+            continue
+        previous = total.get(pid)
+        total[pid] = g if previous is None else previous + g
+    return list(total.items())
