@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed runs per variant before timing (default: 1)",
     )
     parser.add_argument(
+        "--executor",
+        default=None,
+        help="executor of the tmap and remat variants: threads (default) or ray",
+    )
+    parser.add_argument(
         "--workers",
         type=_positive,
         default=None,
@@ -149,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot:
             require_matplotlib()
         sweep = list(range(1, available_cores() + 1)) if args.plot else []
-        variants = build_variants(args.variants, workers=args.workers, sweep=sweep)
+        variants = build_variants(
+            args.variants, workers=args.workers, sweep=sweep, executor=args.executor
+        )
     except (PlotUnavailableError, RuntimeError) as error:
         print(f"gradmap bench: {error}", file=sys.stderr)
         return 2

@@ -107,7 +107,10 @@ def _tmap_loss(
 
 
 def build_variants(
-    names: Sequence[str], workers: int | None = None, sweep: Sequence[int] = ()
+    names: Sequence[str],
+    workers: int | None = None,
+    sweep: Sequence[int] = (),
+    executor: str | None = None,
 ) -> list[Variant]:
     """Build the variants to run.
 
@@ -115,6 +118,8 @@ def build_variants(
         names: Names out of ``VARIANT_NAMES``; run in the order of ``VARIANT_NAMES``.
         workers: ``workers`` for the ``tmap`` variant (``None``: the pool's default).
         sweep: Worker counts for extra ``tmap:W`` variants (for the speed-up plot).
+        executor: ``tmap``'s executor for the ``tmap`` and ``remat`` variants (``None``: the
+            shared thread pool; ``"ray"``: Ray actors).
 
     Returns:
         The variants.
@@ -139,13 +144,13 @@ def build_variants(
             variants.append(Variant(name, loop_loss))
         elif name == "tmap":
             assert tmap is not None
-            variants.append(Variant(name, _tmap_loss(tmap, None, workers), workers=workers))
+            variants.append(Variant(name, _tmap_loss(tmap, executor, workers), workers=workers))
         elif name == "serial":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))
         elif name == "remat":
             assert tmap is not None
-            variants.append(Variant(name, _tmap_loss(tmap, None, workers, remat=True)))
+            variants.append(Variant(name, _tmap_loss(tmap, executor, workers, remat=True)))
         elif name == "vmap":
             variants.append(Variant(name, batched_loss, needs_batched=True))
     for count in sweep:
