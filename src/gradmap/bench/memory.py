@@ -2,8 +2,9 @@
 
 Measured as the growth of the peak resident set size (``ru_maxrss``) over one forward + backward,
 each variant in a fresh Python process (after building the workload, and after one warm-up run of
-a tenth of the elements so that libraries and pools are loaded): the peak includes every tensor
-the graph keeps and every intermediate alive at once, whoever allocated it. The time column is
+a tenth of the elements so that libraries and pools are loaded), with one intra-op thread: the
+peak includes every tensor the graph keeps and every intermediate alive at once, whoever
+allocated it. The time column is
 the same run's forward + backward, one repetition, so it is only indicative; the timed table of
 ``gradmap bench`` is the one to read for speed.
 """
@@ -33,6 +34,7 @@ def _child(workload_name: str, n: int, variant: str, seed: int) -> dict[str, Any
     import gradmap
     from gradmap.bench.workloads import get_workload
 
+    torch.set_num_threads(1)  # the loop at its best on this workload; tmap's workers use 1
     workload = get_workload(workload_name).make(seed, n)
 
     def total_loss(items: list[Any]) -> torch.Tensor:
