@@ -435,11 +435,18 @@ def _backward_stored(
 ) -> list[Tensor | None]:
     """Pull back through the chunk's stored graph into its stand-ins' ``.grad``."""
     standins = chunk.item_standins + chunk.standins
+
+    def pull_back_one(one: tuple[int, int, int]) -> None:
+        try:
+            _accumulate(outputs[one[1] : one[2]], grads_out[one[1] : one[2]])
+        finally:
+            _clear_grads(standins)
+
     try:
         _accumulate(outputs, grads_out)
     except Exception as exc:
         _clear_grads(standins)
-        _raise_with_element(exc, chunk, outputs, grads_out, live, n)
+        _name_failing_element(exc, chunk, live, n, pull_back_one)
         raise
     result = [s.grad for s in standins]
     _clear_grads(standins)
@@ -483,17 +490,13 @@ def _backward_recomputed(
     try:
         return _recompute_and_pull_back(graph, chunk, cotangents, live, create_graph)
     except Exception as exc:
-        if len(live) == 1:
-            if not _has_gradmap_note(exc):
-                add_note(exc, element_note(chunk.indices[live[0][0]], graph.n, "backward"))
-            raise
-        for one in live:  # name the element: pull back one element at a time
-            try:
-                _recompute_and_pull_back(graph, chunk, cotangents, [one], create_graph)
-            except Exception as element_exc:
-                if not _has_gradmap_note(element_exc):
-                    add_note(element_exc, element_note(chunk.indices[one[0]], graph.n, "backward"))
-                raise element_exc from None
+        _name_failing_element(
+            exc,
+            chunk,
+            live,
+            graph.n,
+            lambda one: _recompute_and_pull_back(graph, chunk, cotangents, [one], create_graph),
+        )
         raise
 
 
@@ -558,26 +561,29 @@ def _recompute_and_pull_back(
     return result
 
 
-def _raise_with_element(
+def _name_failing_element(
     exc: Exception,
     chunk: _Chunk,
-    outputs: list[Tensor],
-    grads_out: list[Tensor],
     live: list[tuple[int, int, int]],
     n: int,
+    pull_back_one: Callable[[tuple[int, int, int]], object],
 ) -> None:
-    """Name the element whose backward raised: alone, or by pulling back one element at a time."""
-    if len(live) == 1:
-        add_note(exc, element_note(chunk.indices[live[0][0]], n, "backward"))
+    """Name the element whose backward raised ``exc``: the chunk's only live element, or the
+    first that raises when pulled back alone (that element's exception is raised instead)."""
+    if len(live) > 1:
+        for one in live:
+            try:
+                pull_back_one(one)
+            except Exception as element_exc:
+                if not _has_gradmap_note(element_exc):
+                    add_note(element_exc, element_note(chunk.indices[one[0]], n, "backward"))
+                raise element_exc from None
+    if _has_gradmap_note(exc):
         return
-    standins = chunk.item_standins + chunk.standins
-    for e, lo, hi in live:
-        try:
-            _accumulate(outputs[lo:hi], grads_out[lo:hi])
-        except Exception as element_exc:
-            add_note(element_exc, element_note(chunk.indices[e], n, "backward"))
-            raise element_exc from None
-        finally:
-            _clear_grads(standins)
     first, last = chunk.indices[live[0][0]], chunk.indices[live[-1][0]]
-    add_note(exc, f"gradmap.tmap: raised in the backward pass of elements {first}..{last} (of {n})")
+    if first == last:
+        add_note(exc, element_note(first, n, "backward"))
+    else:
+        add_note(
+            exc, f"gradmap.tmap: raised in the backward pass of elements {first}..{last} (of {n})"
+        )
