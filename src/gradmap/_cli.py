@@ -6,10 +6,11 @@ import sys
 
 __all__ = ["main"]
 
-_USAGE = """usage: gradmap {demo,bench} [options]
+_USAGE = """usage: gradmap {demo,bench,bench-jax} [options]
 
-  demo    a small ragged-data example: loop vs tmap time and the gradient difference
-  bench   the benchmark workloads (gradmap bench --help)
+  demo       a small ragged-data example: loop vs tmap time and the gradient difference
+  bench      the benchmark workloads (gradmap bench --help)
+  bench-jax  the ragged-bags workload in JAX: loops vs gradmap.jax.tmap (needs gradmap[jax])
 """
 
 
@@ -28,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return bench_main(rest)
+    if command == "bench-jax":
+        from .bench.jax_bags import main as jax_main
+
+        return int(jax_main(rest) or 0)
     print(
-        f"gradmap: unknown command {command!r}; expected one of ['bench', 'demo']",
+        f"gradmap: unknown command {command!r}; expected one of ['bench', 'bench-jax', 'demo']",
         file=sys.stderr,
     )
     return 2

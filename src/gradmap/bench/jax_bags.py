@@ -251,6 +251,8 @@ def _jax_version() -> str:
 _PROBE = r"""
 import os, sys, threading, time
 mode, devices, threads, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+wait_each = not mode.endswith("-async")
+mode = mode.removesuffix("-async")
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
 import jax, jax.numpy as jnp, numpy as np
 if mode == "sleep":
@@ -268,8 +270,12 @@ xs = [jax.device_put(jnp.ones(shape) * 0.01, devs[t % len(devs)]) for t in range
 for x in xs:
     g(x).block_until_ready()
 def work(t):
+    outs = []
     for _ in range(calls // threads):
-        g(xs[t]).block_until_ready()
+        outs.append(g(xs[t]))
+        if wait_each:
+            outs[-1].block_until_ready()
+    jax.block_until_ready(outs)
 best = None
 for _ in range(3):
     c0, t0 = time.process_time(), time.perf_counter()
@@ -290,13 +296,13 @@ def concurrency(calls: int = 40) -> list[str]:
     imported): ``sleep`` jits a 20 ms host sleep (no CPU contention: serialised executions take
     ``calls x 20 ms`` whatever the threads), ``compute`` a chain of 3000 small elementwise steps
     (too small for XLA to split over its own threads; ``calls x 5``). Threads x devices: 1x1, 2x1,
-    2x2, 4x1.
+    2x2, 4x1. Each thread waits for every call; ``sleep-async`` waits only at the end.
 
     Returns:
         One line per configuration: wall time, ms per call, and CPU cores busy.
     """
     lines = []
-    for mode, count in (("sleep", calls), ("compute", calls * 5)):
+    for mode, count in (("sleep", calls), ("sleep-async", calls), ("compute", calls * 5)):
         for threads, devices in ((1, 1), (2, 1), (2, 2), (4, 1)):
             out = subprocess.run(
                 [sys.executable, "-c", _PROBE, mode, str(devices), str(threads), str(count)],
@@ -307,7 +313,7 @@ def concurrency(calls: int = 40) -> list[str]:
             ).stdout.split()
             wall, cpu = float(out[-2]), float(out[-1])
             lines.append(
-                f"{mode:<7} threads={threads} devices={devices}: {count} calls in "
+                f"{mode:<11} threads={threads} devices={devices}: {count} calls in "
                 f"{wall * 1e3:6.0f} ms ({wall / count * 1e3:5.2f} ms/call), "
                 f"{cpu / wall:4.2f} cores busy"
             )

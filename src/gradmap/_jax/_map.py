@@ -1,0 +1,179 @@
+"""``gradmap.jax.tmap``: argument checks, the zip, and the choice between eager, rule and loop.
+
+NOTE [threads on XLA:CPU, measured]:
+    Whether a thread pool can speed up a JAX map depends on whether XLA's CPU client runs
+    executions that several Python threads dispatch at the same time, or serialises them per
+    device (in which case each worker would need a device of its own,
+    ``--xla_force_host_platform_device_count``). Measured with jax/jaxlib 0.10.2 on 2 cores
+    (``python -m gradmap.bench.jax_bags --concurrency``: each configuration in a fresh
+    interpreter, ``XLA_FLAGS`` set before JAX is imported; best of 3):
+
+    - a jitted 20 ms host sleep (``pure_callback``; no CPU contention, so immune to other load),
+      40 calls: 1 thread 838-846 ms; 2 threads 419-425 ms; 4 threads 211-218 ms -- on 1 device
+      and on 2 alike, and alike whether each thread waits for every call or only at its end.
+      Executions are not serialised per device.
+    - a jitted chain of 3000 small elementwise steps (too small for XLA to split), 200 calls:
+      1 thread 3.8-4.0 ms per call at 1.00 cores busy; 2 threads on 1 device 2.4-2.5 ms at
+      1.90-1.98 cores; 2 threads on 2 devices 2.1-2.4 ms at 1.85-1.92 cores.
+
+    So one device serves all workers: gradmap keeps JAX's default single CPU device and needs no
+    ``XLA_FLAGS``; each worker bounds the elements it has in flight (NOTE [a worker waits for
+    each element] in ``_chunks``). Dispatch holds the GIL: an
+    eager ``f`` made of many small operations runs on the workers but its Python does not
+    overlap; a jitted ``f`` (or one of few large operations) spends its time in XLA, with the
+    GIL released, and overlaps. Hence the docs' advice to map a jitted function.
+
+NOTE [under jit, the traced loop]:
+    Inside ``jax.jit`` the map is the plain loop, traced into the caller's program (``LOOP`` in
+    NOTE [three ways to run the map]). The alternative, a ``pure_callback`` from the program back
+    to the thread pool (wrapped in a ``custom_vjp`` that recomputes in its backward), was
+    rejected: the compiled program has no Python and no GIL left to parallelise; a callback
+    would cost a host round trip and a compilation per element shape, would need its own
+    ``vmap`` rule, and would cut forward mode and second order. Measured: within one program
+    XLA:CPU runs independent element subgraphs one after another (8 independent loop chains:
+    1.00 cores busy), but splits large operations over its intra-op threads (32 independent MLP
+    elements: 1.93 cores busy on 2). A map that must run in parallel is called outside ``jit``,
+    on a jitted ``f``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .._engine import ChunkRun, run_chunks
+from .._errors import add_note, element_note
+from .._executors import Executor, resolve_executor
+from .._plan import ChunkPlan, plan_chunks
+from ._chunks import Pending, chunk_elements
+from ._config import JaxConfig
+from ._items import zip_jax_items
+from ._mode import Mode, current_mode
+from ._rule import map_vjp
+
+__all__ = ["tmap"]
+
+
+def tmap(
+    f: Callable[..., Any],
+    *iterables: Iterable[Any],
+    executor: str | Executor | Any | None = None,
+    workers: int | None = None,
+    chunksize: int | None = None,
+    strict: bool = False,
+) -> list[Any]:
+    """Apply ``f`` to every element on a thread pool; differentiable, with the plain loop's
+    gradients.
+
+    The semantics of the builtin ``map``, returned as a list: ``f`` is applied to the i-th items of
+    every iterable, stopping at the shortest. Called eagerly, ``f`` runs on a pool of threads, in
+    chunks of elements. Under ``jax.grad``, ``jax.vjp`` or ``jax.value_and_grad`` (reverse mode
+    over concrete values), each element is traced, run on the pool under ``jax.vjp``, and the
+    backward runs each chunk's pullbacks on the pool too; the gradients are those of
+    ``[f(*args) for args in zip(*iterables)]`` -- to arrays inside the items and to every array
+    ``f`` closes over -- up to the order of floating-point sums. Under any other transformation
+    (``jax.jit``, ``vmap``, ``jvp``, ``jax.hessian``, grad of grad) the map is that plain loop, in
+    the caller's thread, and composes as the loop does.
+
+    Arrays spend their time in XLA, which releases the GIL, so the pool pays off for an ``f``
+    whose work is in few, large operations or in a ``jax.jit``-compiled function. Best of all,
+    ``f`` is one call of a jitted function, as in ``tmap(lambda x: loss_jit(params, x), xs)``:
+    under differentiation each element then runs as one compiled forward and one compiled
+    pullback (which recomputes the forward), cached per shape across calls.
+
+    ``f`` must be pure across elements: it may not rely on the order in which elements run, nor on
+    state one element leaves for the next. Under differentiation it is traced, as under
+    ``jax.jit`` -- once per distinct shape and per value of its non-array items, not per element:
+    an ``f`` that branches on a computed array's value runs as the plain loop, with a warning.
+    JAX's thread-local settings (``jax.enable_x64``, ``jax.default_matmul_precision``, meshes,
+    ...) are carried into the workers.
+
+    Arguments:
+        f: the function to map; it is called as ``f(*items)``.
+        *iterables: lists, tuples, ``range``, generators (consumed once), or JAX arrays (iterated
+            over their first dimension; the gradient flows back to the whole array). Items and
+            results may be any pytree (``jax.tree_util``) of arrays and other objects, and their
+            shapes may differ from element to element.
+        executor: ``None`` or ``"threads"`` for gradmap's shared thread pool; ``"serial"`` for the
+            reference, in the caller's thread (its backward runs chunks in reverse order); or any
+            ``concurrent.futures.Executor`` (used as given, never shut down by gradmap).
+        workers: threads that run chunks at once, the caller's included. Default: the cores
+            available to the process (the shared pool), or the executor's ``max_workers`` plus
+            the caller.
+        chunksize: elements per chunk. Default: about 64 chunks. Chunks depend on the number of
+            elements only, so gradients are bitwise the same for any ``workers``.
+        strict: raise ``ValueError`` if the iterables have different lengths.
+
+    Returns:
+        A list with ``f``'s result for each element, in order.
+
+    Raises:
+        TypeError: ``f`` is not callable, an iterable is not iterable, or is a 0-d array.
+        ValueError: with ``strict=True``, the iterables differ in length; a bad ``workers``,
+            ``chunksize`` or executor name.
+        Exception: whatever ``f`` raised, for the lowest failing element, with a note naming the
+            element; the rest of the map is cancelled first. Errors in an element's pullback
+            name the element too where the backward runs on the pool; under the other
+            transformations they are JAX's own, as in the loop.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import gradmap.jax as gmj
+        >>> w = jnp.array(2.0)
+        >>> bags = [jnp.ones(n) for n in (1, 2, 3)]
+        >>> def total(w):
+        ...     return sum(gmj.tmap(lambda bag: (w * bag).sum(), bags))
+        >>> float(jax.grad(total)(w))
+        6.0
+    """
+    if not callable(f):
+        raise TypeError(f"gradmap.jax.tmap: f must be callable, got {type(f).__name__}")
+    resolved = resolve_executor(executor, workers)
+    plan_chunks(0, chunksize)  # checks chunksize before any item is read
+    elements = zip_jax_items(iterables, strict)
+    plan = plan_chunks(len(elements), chunksize)
+    if not elements:
+        return []
+    mode, trace = current_mode()
+    if mode is Mode.EAGER:
+        return _map_eager(f, elements, resolved, plan)
+    if mode is Mode.VJP:
+        assert trace is not None
+        return map_vjp(f, elements, resolved, plan, trace, lambda: _loop(f, elements))
+    return _loop(f, elements)
+
+
+def _loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> list[Any]:
+    """The plain loop, in the caller's thread and trace, with errors naming the element."""
+    n = len(elements)
+    results = []
+    for i, args in enumerate(elements):
+        try:
+            results.append(f(*args))
+        except BaseException as exc:
+            add_note(exc, element_note(i, n, "forward"))
+            raise
+    return results
+
+
+def _map_eager(
+    f: Callable[..., Any], elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan
+) -> list[Any]:
+    """No transformation: ``f`` itself runs on the workers, chunk by chunk."""
+    n = len(elements)
+
+    def chunk_results(k: int, run: ChunkRun[list[Any]]) -> list[Any]:
+        out: list[Any] = []
+        pending = Pending(n, "forward")
+        for i in chunk_elements(run, k, plan):
+            try:
+                out.append(f(*elements[i]))
+            except BaseException as exc:
+                add_note(exc, element_note(i, n, "forward"))
+                raise
+            pending.push(i, out[-1])
+        pending.wait()
+        return out
+
+    chunks = run_chunks(executor, plan.count, chunk_results, context=JaxConfig().enter)
+    return [y for chunk in chunks for y in chunk]

@@ -1,0 +1,3 @@
+"""``gradmap.jax``: the differentiable parallel map for JAX (``pip install 'gradmap[jax]'``)."""
+
+from ._jax._map import tmap as tmap
