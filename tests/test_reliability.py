@@ -778,7 +778,6 @@ def test_bad_argument_is_named(change: dict[str, Any], error: type, message: str
     assert calls == []
 
 
-
 @pytest.mark.parametrize(("change", "error", "message"), _BAD_ARGUMENTS)
 @deadline(30)
 def test_bad_argument_reads_no_item(change: dict[str, Any], error: type, message: str) -> None:
