@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure peak memory of loop, tmap and tmap(remat=True) on ragged_bags "
         "(N=1024; 128 with --quick), each in a fresh process",
     )
+    parser.add_argument(
+        "--jax",
+        action="store_true",
+        help="also run the JAX variant of ragged_bags (gradmap bench-jax; needs gradmap[jax])",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     return parser
@@ -185,6 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_memory = 128 if args.quick else 1024
         rows = measure_memory("ragged_bags", n_memory, seed=args.seed)
         print(format_memory("ragged_bags", n_memory, rows), flush=True)
+    jax_status = 0
+    if args.jax:
+        from gradmap.bench.jax_bags import main as jax_main
+
+        jax_status = jax_main((["--quick"] if args.quick else []) + (["-q"] if args.quiet else []))
     if args.json:
         write_json(result, args.json)
     if args.plot:
@@ -196,4 +206,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"difference {rel:.3g} > {args.tol:g}",
             file=sys.stderr,
         )
-    return 1 if mismatches else 0
+    return 1 if mismatches else jax_status
