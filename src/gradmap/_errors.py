@@ -24,6 +24,7 @@ def add_note(exc: BaseException, note: str) -> None:
         notes.append(note)
 
 
-def element_note(index: int, n: int, phase: str) -> str:
-    """The note for element ``index`` of ``n`` failing in ``phase`` ("forward" or "backward")."""
-    return f"gradmap.tmap: raised in the {phase} pass of element {index} (of {n})"
+def element_note(index: int, n: int, phase: str, api: str = "gradmap.tmap") -> str:
+    """The note for element ``index`` of ``n`` failing in ``phase`` ("forward" or "backward")
+    of ``api``."""
+    return f"{api}: raised in the {phase} pass of element {index} (of {n})"

@@ -28,7 +28,9 @@ import jax
 from .._errors import add_note, element_note
 from .._plan import ChunkPlan
 
-__all__ = ["Pending", "chunk_elements", "settled"]
+__all__ = ["JAX_API", "Pending", "chunk_elements", "settled"]
+
+JAX_API = "gradmap.jax.tmap"  # the name in error notes
 
 T = TypeVar("T")
 
@@ -81,5 +83,5 @@ class Pending:
         try:
             settled(tree)
         except BaseException as exc:
-            add_note(exc, element_note(index, self._n, self._phase))
+            add_note(exc, element_note(index, self._n, self._phase, JAX_API))
             raise

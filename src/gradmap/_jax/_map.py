@@ -45,7 +45,7 @@ from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
 from .._executors import Executor, resolve_executor
 from .._plan import ChunkPlan, plan_chunks
-from ._chunks import Pending, chunk_elements
+from ._chunks import JAX_API, Pending, chunk_elements
 from ._config import JaxConfig
 from ._items import zip_jax_items
 from ._mode import Mode, current_mode
@@ -151,7 +151,7 @@ def _loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> list[Any]:
         try:
             results.append(f(*args))
         except BaseException as exc:
-            add_note(exc, element_note(i, n, "forward"))
+            add_note(exc, element_note(i, n, "forward", JAX_API))
             raise
     return results
 
@@ -169,7 +169,7 @@ def _map_eager(
             try:
                 out.append(f(*elements[i]))
             except BaseException as exc:
-                add_note(exc, element_note(i, n, "forward"))
+                add_note(exc, element_note(i, n, "forward", JAX_API))
                 raise
             pending.push(i, out[-1])
         pending.wait()

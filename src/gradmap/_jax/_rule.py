@@ -40,7 +40,7 @@ from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
 from .._executors import Executor
 from .._plan import ChunkPlan
-from ._chunks import Pending, chunk_elements
+from ._chunks import JAX_API, Pending, chunk_elements
 from ._config import JaxConfig
 from ._element import UNTRACEABLE, Element, ElementRunner
 from ._mode import VjpTrace, top_level
@@ -104,7 +104,7 @@ def map_vjp(
                 except UNTRACEABLE as exc:
                     raise _NeedsLoop(i, exc) from None
                 except BaseException as exc:
-                    add_note(exc, element_note(i, n, "forward"))
+                    add_note(exc, element_note(i, n, "forward", JAX_API))
                     raise
                 pending.push(i, chunk.elements[-1].leaves)
             pending.wait()
@@ -253,7 +253,7 @@ def _backward_chunk(
         try:
             new = el.pullback([_materialize(c, o) for c, o in zip(cts, outs)], running)
         except BaseException as exc:
-            add_note(exc, element_note(i, n, "backward"))
+            add_note(exc, element_note(i, n, "backward", JAX_API))
             raise
         pending.push(i, new)
         for p, g in zip(positions, new):
