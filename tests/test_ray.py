@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray")
 # module imported it, warns about; nothing runs between the fork and the exec.
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 
-from gradmap._ray import RayExecutor, map_ray  # noqa: E402
+from gradmap._ray import RayExecutor  # noqa: E402
 from gradmap._ray._cluster import ensure_connected  # noqa: E402
 
 
@@ -45,24 +45,6 @@ def ex() -> Iterator[RayExecutor]:
         executor.shutdown()
         if started:
             ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until ``map_torch`` dispatches to ``map_ray`` itself, route Ray executors there."""
-    from gradmap import _api
-    from gradmap._executors import _NAMES
-
-    if "ray" in _NAMES:
-        return
-    plain = _api.map_torch
-
-    def dispatch(f: Any, elements: Any, executor: Any, plan: Any, **kwargs: Any) -> Any:
-        if not executor.shares_memory:
-            return map_ray(f, elements, executor, plan, **kwargs)
-        return plain(f, elements, executor, plan, **kwargs)
-
-    monkeypatch.setattr(_api, "map_torch", dispatch)
 
 
 def _ragged(n: int = 10, d: int = 4, seed: int = 0, grad: bool = True) -> list[torch.Tensor]:

@@ -70,11 +70,6 @@ class ChunkRun(Generic[T]):
         self._stop_after: int | None = None
         self._cond = threading.Condition()
 
-    @property
-    def cancelled(self) -> bool:
-        """Whether anything failed or the pass was cancelled (``stopped`` is finer-grained)."""
-        return self._halted or self._stop_after is not None
-
     def stopped(self, chunk: int) -> bool:
         """Whether ``chunk`` should stop before its next element."""
         return self._halted or (self._stop_after is not None and chunk > self._stop_after)

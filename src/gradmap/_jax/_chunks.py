@@ -1,8 +1,8 @@
 """What a chunk does around each element: stop early when told, and wait for its arrays.
 
-A chunk checks between elements whether it should stop: after a failure, ``run.stopped(k)`` (where
-the engine has it) lets chunks before the failing one run on, so that the error reported is the
-lowest element's, as in the loop; otherwise ``run.cancelled`` stops every chunk.
+A chunk checks between elements whether it should stop: after a failure, ``run.stopped(k)`` lets
+chunks before the failing one run on, so that the error reported is the lowest element's, as in
+the loop.
 
 NOTE [a worker waits for each element]:
     JAX dispatches asynchronously: ``f`` returns arrays that XLA is still computing, and a worker
@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import jax
 
+from .._engine import ChunkRun
 from .._errors import add_note, element_note
 from .._plan import ChunkPlan
 
@@ -35,11 +36,10 @@ JAX_API = "gradmap.jax.tmap"  # the name in error notes
 T = TypeVar("T")
 
 
-def chunk_elements(run: Any, k: int, plan: ChunkPlan) -> Iterator[int]:
+def chunk_elements(run: ChunkRun[Any], k: int, plan: ChunkPlan) -> Iterator[int]:
     """The elements of chunk ``k``, in order, until the pass says the chunk should stop."""
-    stopped = getattr(run, "stopped", None)
     for i in range(*plan.bounds(k)):
-        if stopped(k) if stopped is not None else run.cancelled:
+        if run.stopped(k):
             return
         yield i
 

@@ -28,7 +28,8 @@ def map_ray(
     progress: Any = False,
 ) -> list:
     """``[f(*args) for args in elements]`` on Ray actors, differentiable as the loop is (see
-    ``gradmap._ray._map.map_ray``)."""
+    ``gradmap._ray._map.map_ray``). A wrapper so that ``import gradmap`` does not import Ray:
+    ``_map`` needs Ray's cloudpickle at import."""
     from ._map import map_ray as run
 
     return run(f, elements, executor, plan, remat=remat, progress=progress)
