@@ -214,3 +214,105 @@ def _wait_uninterrupted(run: ChunkRun[T]) -> None:
         run.cancel()
         run.wait()
         raise
+
+
+def run_pipeline(
+    executor: Executor,
+    count: int,
+    produce: Callable[[int, Callable[[], bool]], T],
+    consume: Callable[[int, T], object],
+    *,
+    context: ThreadContext = _no_context,
+) -> list[object]:
+    """Produce chunk after chunk in the caller's thread; consume each on the executor's helpers
+    as soon as it is produced (a ``tsum``: forwards in one thread, pullbacks overlapping them).
+
+    Arguments:
+        executor: where consumers run; with no helpers (serial, or a nested call), the caller
+            consumes each chunk right after producing it.
+        count: the number of chunks.
+        produce: ``produce(k, stopped)`` makes chunk ``k``; it should return early when
+            ``stopped()`` says so.
+        consume: ``consume(k, product)``; its result is chunk ``k``'s.
+        context: entered by each helper around its work.
+
+    Returns:
+        The consumers' results, in chunk order.
+
+    Raises:
+        The failure of the lowest chunk (producing or consuming), after every helper stopped.
+    """
+    helpers = 0 if in_worker() else min(executor.workers, count)
+    if executor.caller_helps and helpers:
+        helpers -= 1  # a user's pool: keep one of its threads for the caller's share
+    results: list[object] = [None] * count
+    failures: dict[int, BaseException] = {}
+    cond = threading.Condition()
+    pending: list[tuple[int, T] | None] = []
+    running = [helpers]
+    halted = [False]
+
+    def fail(k: int, exc: BaseException) -> None:
+        with cond:
+            failures.setdefault(k, exc)
+            halted[0] = True
+            cond.notify_all()
+
+    def helper() -> None:
+        try:
+            with context(False):
+                while True:
+                    with cond:
+                        while not pending:
+                            cond.wait()
+                        job = pending.pop(0)
+                    if job is None:
+                        return
+                    k, product = job
+                    if halted[0] and failures and min(failures) < k:
+                        continue
+                    try:
+                        results[k] = consume(k, product)
+                    except BaseException as exc:
+                        fail(k, exc)
+        except BaseException as exc:
+            fail(-1, exc)
+        finally:
+            with cond:
+                running[0] -= 1
+                cond.notify_all()
+
+    started = 0
+    try:
+        for _ in range(helpers):
+            executor.submit(helper)
+            started += 1
+        for k in range(count):
+            if halted[0]:
+                break
+            try:
+                product = produce(k, lambda: halted[0])
+            except BaseException as exc:
+                fail(k, exc)
+                break
+            if started:
+                with cond:
+                    pending.append((k, product))
+                    cond.notify()
+            else:
+                try:
+                    results[k] = consume(k, product)
+                except BaseException as exc:
+                    fail(k, exc)
+                    break
+    finally:
+        with cond:
+            running[0] -= helpers - started  # helpers that never started
+            pending.extend([None] * started)
+            cond.notify_all()
+            while running[0] > 0:
+                cond.wait()
+    if failures:
+        severe = [k for k, e in failures.items() if not isinstance(e, Exception)]
+        raise failures[min(severe) if severe else min(failures)]
+    return results

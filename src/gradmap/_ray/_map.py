@@ -53,7 +53,8 @@ from .._errors import add_note
 from .._executors import Executor, SerialExecutor
 from .._plan import ChunkPlan
 from .._progress import open_progress
-from .._torch._rule import _transforms_active, map_torch
+from .._torch._graph import transforms_active as _transforms_active
+from .._torch._rule import map_torch
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
 from ._cluster import import_ray

@@ -29,9 +29,9 @@ from typing import Any, cast
 import torch
 
 from .._errors import add_note, element_note
-from .._torch._capture import install_apply_hook
-from .._torch._random import MapSeed
-from .._torch._rule import _backward_chunk, _Chunk, _forward_elements
+from .._torch._chunk import ACCUMULATE, ChunkRecord, pull_back, run_forward
+from .._torch._graph import Known
+from .._torch._random import MapRandom
 from .._torch._state import ThreadState
 from ._pickling import LeafTable, dumps_results, loads
 
@@ -50,7 +50,7 @@ def in_worker() -> bool:
     return _in_worker
 
 
-class ShippedSeed(MapSeed):
+class ShippedSeed(MapRandom):
     """The map's seed base, drawn from a copy of the driver's global generator state.
 
     The thread executor draws the base from the global generator on the first random call of a
@@ -61,19 +61,15 @@ class ShippedSeed(MapSeed):
     """
 
     def __init__(self, state: Tensor) -> None:
-        super().__init__()
-        self._state = state
-        self.drawn = False
+        generator = torch.Generator()
+        generator.set_state(state)
+        self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64, generator=generator).item())
+        self._after = torch.default_generator.get_state()
+        self.drew = False
 
-    def base(self) -> int:
-        if self._base is None:
-            generator = torch.Generator()
-            generator.set_state(self._state)
-            self._base = int(
-                torch.randint(0, 2**62, (), dtype=torch.int64, generator=generator).item()
-            )
-        self.drawn = True
-        return self._base
+    @property
+    def drawn(self) -> bool:
+        return self.drew
 
 
 @dataclass
@@ -125,20 +121,8 @@ class _Window(Sequence[Any]):
 
 
 @dataclass
-class _GraphView:
-    """The two attributes of the driver's map graph that ``_backward_chunk`` reads."""
-
-    n: int
-    remat: bool = False
-
-
-def _view(n: int) -> Any:
-    return _GraphView(n)
-
-
-@dataclass
 class _Kept:
-    chunk: _Chunk
+    chunk: ChunkRecord
     pids: list[int]  # the pid of each item stand-in, then of each foreign stand-in
 
 
@@ -148,6 +132,7 @@ class _CallState:
     spec: CallSpec
     leaves: LeafTable
     seed: ShippedSeed
+    known: Known
     chunks: dict[int, _Kept] = field(default_factory=dict)
 
 
@@ -163,7 +148,6 @@ class Worker:
         _in_worker = True
         self._threads = threads
         torch.set_num_threads(threads)
-        install_apply_hook()
         self._calls: dict[str, _CallState] = {}
 
     # -- small methods ---------------------------------------------------------------------
@@ -187,7 +171,7 @@ class Worker:
 
             leaves = LeafTable()
             f, spec = loads(ray.get(box[0]), leaves)
-            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state))
+            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state), Known(f, ()))
             self._calls[call_id] = state
         self._check_threads()
         return state
@@ -220,7 +204,9 @@ class Worker:
             return dumps_results((results, None, [], False))
         window = cast(list, _Window(local, start, spec.n))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
-            record = _forward_elements(state.f, window, indices, None, state.seed, remat=spec.remat)
+            record = run_forward(state.f, window, indices, known=state.known, random=state.seed)
+        if spec.remat:
+            record.drop_graph()
         pids = _pids(state, record)
         if not spec.remat:
             state.chunks[k] = _Kept(record, pids)
@@ -253,7 +239,7 @@ class Worker:
             self._check_threads()
             cots = tuple(loads(cotangents, state.leaves))
             with backward_state.enter(False), _default_dtype(state.spec.default_dtype):
-                grads = _backward_chunk(_view(state.spec.n), kept.chunk, cots, False)
+                grads = _pull_back(kept.chunk, cots, state)
             out.append(dumps_results(_by_pid(kept.pids, grads)))
         return out
 
@@ -296,8 +282,12 @@ class Worker:
         cots = loads(cotangents, state.leaves)
         window = cast(list, _Window(local, start, spec.n))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
-            fresh = _forward_elements(
-                state.f, window, range(start, start + len(local)), None, state.seed
+            fresh = run_forward(
+                state.f,
+                window,
+                range(start, start + len(local)),
+                known=state.known,
+                random=state.seed,
             )
         pids = _pids(state, fresh)
         # The cotangent of each fresh join output, found by (element, leaf position).
@@ -311,7 +301,7 @@ class Worker:
             given.get((e, pos)) for e, el in enumerate(fresh.elements) for pos in el.diff
         )
         with backward_state.enter(False), _default_dtype(spec.default_dtype):
-            grads = _backward_chunk(_view(spec.n), fresh, aligned, False)
+            grads = _pull_back(fresh, aligned, state)
         return dumps_results(_by_pid(pids, grads))
 
     def _check_threads(self) -> None:
@@ -319,10 +309,21 @@ class Worker:
             torch.set_num_threads(self._threads)
 
 
-def _pids(state: _CallState, record: _Chunk) -> list[int]:
-    """The pid of each item stand-in, then of each foreign stand-in, of a chunk's record."""
+def _pull_back(record: ChunkRecord, cots: Any, state: _CallState) -> Any:
+    grads = pull_back(record, cots, n=state.spec.n, owner=state)
+    if grads is ACCUMULATE:
+        raise RuntimeError(
+            "gradmap.tmap(executor='ray'): f uses torch.utils.checkpoint with use_reentrant=True, "
+            "which can only run under a plain .backward() in the caller's process. Use "
+            "use_reentrant=False, or the thread executor."
+        )
+    return grads
+
+
+def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
+    """The pid of each boundary tensor of a chunk's record."""
     pids = []
-    for t in [*record.item_originals, *record.originals]:
+    for t in record.boundary.tensors:
         pid = state.leaves.pid(t)
         if pid is None:
             raise ForeignTensorError(

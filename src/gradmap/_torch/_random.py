@@ -1,115 +1,92 @@
-"""Random numbers in a map: each element draws from a generator of its own.
+"""Random numbers in a map: each element draws from a seed of its own.
 
 NOTE [random numbers per element]:
-    PyTorch's default CPU generator is one object shared by every thread: elements running at
-    once draw from it in an order that depends on timing, so a random ``f`` would give different
-    results run to run and worker count to worker count -- and a recompute (``remat=True``, or a
-    ``create_graph=True`` backward) could not replay an element's draws the way
-    ``torch.utils.checkpoint`` does by saving and restoring the global state, since other threads
-    move that state in between.
+    PyTorch's default CPU generator is one object shared by every thread. ``f`` runs untouched, so
+    its random calls draw from that generator; for the draws to depend on the element only (the
+    same for every executor, worker count and run, under grad mode and ``no_grad``, and replayed
+    exactly by a recompute), the generator is seeded with ``base + i`` right before element ``i``
+    runs, where ``base`` is drawn once per map from the generator itself (so ``torch.manual_seed``
+    makes a map reproducible, and two maps draw differently). After the map the generator is left
+    as that one draw left it. Seeding costs about 1 us per element.
 
-    So inside a map, an element's random calls on the CPU draw from a ``torch.Generator`` of its
-    own, seeded with ``base + i`` where ``base`` is drawn once per map from the global generator
-    (on first need, so a map without random calls leaves the global generator untouched). The
-    capture mode sees every call: calls that take ``generator=`` get the element's generator
-    unless they pass one; dropout, which takes none, is computed as ``x * mask / (1 - p)`` with a
-    mask drawn from it (the same function and gradient as ``F.dropout``). Results are then the
-    same for every executor, worker count and run, and a recompute replays them exactly. The
-    draws are not those of the plain loop. Calls on CUDA tensors keep PyTorch's own generators.
+    Seeding a shared generator only works while one thread at a time runs elements: a forward in
+    one thread (NOTE [forward placement] in ``_placement``) seeds, holding a process-wide lock so
+    that maps called from several threads at once do not seed over each other. A forward spread
+    over the pool does not seed; it is chosen only for an ``f`` that drew nothing in its first
+    call (an ``f`` that draws on some elements only may be missed; its draws on the pool are then
+    not reproducible, its gradients still right). Whether a chunk drew is checked after its last
+    element. A recompute (``remat=True``, ``create_graph=True``) of an ``f`` known to draw
+    replays the seeds one chunk at a time under the lock; one whose results differ from the
+    forward's is retried that way before it is called non-deterministic.
+
+    The draws are not those of the plain loop, which draws from one stream across elements.
+    CUDA generators are not seeded: GPU draws keep PyTorch's own behaviour.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["ElementRandom", "MapSeed"]
+__all__ = ["MapRandom"]
 
-
-def _present(owner: Any, names: str) -> list[Any]:
-    return [getattr(owner, n) for n in names.split() if hasattr(owner, n)]
+_LOCK = threading.RLock()
 
 
-_WITH_GENERATOR = frozenset(
-    _present(
-        torch,
-        "rand randn randint randperm rand_like randn_like randint_like normal bernoulli "
-        "multinomial poisson",
-    )
-    + _present(
-        torch.Tensor,
-        "uniform_ normal_ bernoulli_ random_ exponential_ cauchy_ log_normal_ geometric_ "
-        "bernoulli multinomial",
-    )
-)
-_DROPOUT = frozenset([F.dropout, torch.dropout])
-
-RANDOM_CALLS = _WITH_GENERATOR | _DROPOUT
-
-
-class MapSeed:
-    """The seed base of one map: drawn from the global generator on first need, then fixed."""
+class MapRandom:
+    """The per-element seeds of one map."""
 
     def __init__(self) -> None:
-        self._base: int | None = None
-        self._lock = threading.Lock()
+        self.base: int | None = None
+        self._after: torch.Tensor | None = None
+        self.drew = False
 
-    def base(self) -> int:
-        if self._base is None:
-            with self._lock:
-                if self._base is None:
-                    self._base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-        return self._base
+    @contextmanager
+    def seeding(self) -> Iterator[MapRandom]:
+        """Around a forward in one thread: this map owns the global generator (a lock keeps
+        other maps' seeding out), draws its base on first use, and leaves the generator as that
+        one draw left it."""
+        with _LOCK:
+            gen = torch.default_generator
+            if self._after is None:
+                self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+                self._after = gen.get_state()
+            after = self._after
+            try:
+                yield self
+            finally:
+                gen.set_state(after)
 
+    def element(self, index: int) -> None:
+        """Seed the global generator for element ``index`` (inside ``seeding``)."""
+        assert self.base is not None
+        torch.default_generator.manual_seed(self.base + index)
 
-class ElementRandom:
-    """The generator of one element, made on its first random call."""
+    def check_chunk(self, last: int) -> None:
+        """Record whether the chunk whose last seeded element is ``last`` drew anything."""
+        if not self.drew:
+            assert self.base is not None
+            scratch = torch.Generator().manual_seed(self.base + last)
+            if not torch.equal(scratch.get_state(), torch.default_generator.get_state()):
+                self.drew = True
 
-    def __init__(self, seed: MapSeed, index: int) -> None:
-        self._seed = seed
-        self._index = index
-        self._generator: torch.Generator | None = None
+    def replaying(self, seeded: bool) -> ContextManager[MapRandom | None]:
+        """The context of a recompute: with ``seeded`` (or if ``f`` is known to draw), the lock
+        (one recompute at a time) and ``self`` to seed each element with, the generator
+        restored after."""
+        if not (seeded or self.drew) or self.base is None:
+            return nullcontext()
+        return self._replay()
 
-    def generator(self) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator().manual_seed(self._seed.base() + self._index)
-        return self._generator
-
-    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``func(*args, **kwargs)``, drawing from this element's generator."""
-        if func in _DROPOUT:
-            return self._dropout(func, args, kwargs)
-        if kwargs.get("generator") is not None or not _on_cpu(args, kwargs):
-            return func(*args, **kwargs)
-        return func(*args, **{**kwargs, "generator": self.generator()})
-
-    def _dropout(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        names = ("input", "p", "training", "inplace")
-        bound = dict(zip(names, args))
-        bound.update(kwargs)
-        x = bound["input"]
-        p = float(bound.get("p", 0.5))
-        training = bool(bound.get("training", func is not torch.dropout))
-        if x.device.type != "cpu" or not training or p == 0.0:
-            return func(*args, **kwargs)
-        if p == 1.0:
-            y = x * 0.0
-        else:
-            mask = torch.empty_like(x).bernoulli_(1.0 - p, generator=self.generator())
-            y = x * mask / (1.0 - p)
-        if bound.get("inplace", False):
-            return x.copy_(y)
-        return y
-
-
-def _on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    device = kwargs.get("device")
-    if device is not None:
-        return torch.device(device).type == "cpu"
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device.type == "cpu"
-    return torch.get_default_device().type == "cpu"
+    @contextmanager
+    def _replay(self) -> Iterator[MapRandom]:
+        with _LOCK:
+            saved = torch.default_generator.get_state()
+            try:
+                yield self
+            finally:
+                torch.default_generator.set_state(saved)

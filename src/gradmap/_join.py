@@ -1,0 +1,91 @@
+"""The join layout and the chunk-order sum: framework-free, shared by every adapter.
+
+A map's join node (an ``autograd.Function`` for PyTorch, a ``custom_vjp`` for JAX) takes as inputs
+everything any chunk's graph reaches outside itself -- its *boundary*: items, parameters, closure
+tensors, tensors computed before the call -- and returns every chunk's differentiable results. A
+[`JoinLayout`][] says where each chunk's boundary sits among the join's inputs and where its results
+sit among the join's outputs; [`sum_in_chunk_order`][] adds the chunks' gradients for those inputs.
+
+NOTE [chunk-order sum]:
+    A tensor several chunks reach (a parameter) gets one gradient per chunk; they are added in
+    chunk order, whatever order the chunks ran in. Chunks depend on the element count only (NOTE
+    [chunk boundaries depend on the element count only] in ``_plan``), so the sum is bitwise the
+    same for every executor and worker count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, TypeVar
+
+__all__ = ["JoinLayout", "sum_in_chunk_order"]
+
+T = TypeVar("T")
+G = TypeVar("G")
+
+
+class JoinLayout(Generic[T]):
+    """Where each chunk's boundary and results sit among the join's inputs and outputs.
+
+    Arguments:
+        boundaries: for each chunk, the objects its graph reaches, in the chunk's own order.
+        keys: for each chunk, a hashable key per boundary object; equal keys are one join input.
+        output_counts: for each chunk, how many differentiable results it has.
+
+    Attributes:
+        inputs: the join's inputs, each once, in order of first appearance over the chunks.
+        positions: for each chunk, the index in ``inputs`` of each of its boundary objects.
+        output_bounds: for each chunk, its ``(start, stop)`` among the join's outputs.
+    """
+
+    def __init__(
+        self,
+        boundaries: Sequence[Sequence[T]],
+        keys: Sequence[Sequence[Hashable]],
+        output_counts: Sequence[int],
+    ) -> None:
+        self.inputs: list[T] = []
+        self.positions: list[list[int]] = []
+        index: dict[Hashable, int] = {}
+        for objects, chunk_keys in zip(boundaries, keys):
+            where = []
+            for obj, key in zip(objects, chunk_keys):
+                p = index.get(key)
+                if p is None:
+                    p = index[key] = len(self.inputs)
+                    self.inputs.append(obj)
+                where.append(p)
+            self.positions.append(where)
+        self.output_bounds: list[tuple[int, int]] = []
+        lo = 0
+        for count in output_counts:
+            self.output_bounds.append((lo, lo + count))
+            lo += count
+        self.output_count = lo
+
+
+def sum_in_chunk_order(
+    layout: JoinLayout[T],
+    per_chunk: Sequence[Sequence[G | None] | None],
+    add: Callable[[G, G], G],
+) -> list[G | None]:
+    """The gradient of each join input: the chunks' gradients added in chunk order.
+
+    Arguments:
+        layout: the map's layout.
+        per_chunk: for each chunk, a gradient (or ``None``) per boundary object, or ``None`` for a
+            chunk that did no backward work.
+        add: adds two gradients.
+
+    Returns:
+        One gradient per join input, ``None`` where no chunk sent one.
+    """
+    total: list[G | None] = [None] * len(layout.inputs)
+    for positions, grads in zip(layout.positions, per_chunk):
+        if grads is None:
+            continue
+        for p, g in zip(positions, grads):
+            if g is not None:
+                current = total[p]
+                total[p] = g if current is None else add(current, g)
+    return total

@@ -1,0 +1,342 @@
+"""The chunk record: one chunk's results, its boundary, and its pullback.
+
+A record is made by [`run_forward`][] wherever the chunk runs (a pool thread, the caller's thread,
+a Ray actor) and stays there until the backward: it holds the chunk's outputs (with their graph,
+or detached under ``remat``), its boundary (NOTE [the boundary of a chunk] in ``_graph``), and
+knows how to pull the chunk back -- through the stored graph, through a fresh recompute, or not
+at all for a chunk whose cotangents are all missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from .._errors import add_note, element_note
+from .._tree import Spec, flatten
+from ._graph import Boundary, Known, find_boundary, pulling_back, sequence_nr
+from ._random import MapRandom
+
+__all__ = ["ACCUMULATE", "ChunkRecord", "pull_back", "run_forward"]
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True)
+class ElementResult:
+    """One element's result: its leaves, and which of them are differentiable outputs."""
+
+    index: int
+    leaves: list[Any]
+    spec: Spec
+    diff: list[int]  # positions in ``leaves`` of the chunk outputs
+    outputs: tuple[int, int]  # their range in the chunk's ``outputs``
+
+
+class ChunkRecord:
+    """What a chunk's forward leaves for its backward."""
+
+    __slots__ = ("boundary", "elements", "outputs", "stored")
+
+    def __init__(self) -> None:
+        self.elements: list[ElementResult] = []
+        self.outputs: list[Tensor] = []
+        self.boundary: Boundary = Boundary()
+        self.stored = False  # whether ``outputs`` still carry the chunk's graph
+
+    def drop_graph(self) -> None:
+        """Keep the results, free the graph."""
+        if self.stored:
+            self.outputs = [t.detach() for t in self.outputs]
+            self.stored = False
+
+
+def run_forward(
+    f: Callable[..., Any],
+    elements: Sequence[tuple[Any, ...]],
+    indices: Sequence[int],
+    *,
+    known: Known | None,
+    random: MapRandom | None,
+    stop: Callable[[], bool] | None = None,
+    api: str = "gradmap.tmap",
+) -> ChunkRecord:
+    """Run ``f`` on ``elements[i] for i in indices``, untouched; read the chunk's boundary off its
+    graph when grad mode is on (``known`` given).
+
+    Arguments:
+        f: the function.
+        elements: every element's arguments.
+        indices: the elements of this chunk, in order.
+        known: the tensors made before the call that the map sees; ``None`` without a graph.
+        random: seed the global generator per element (a forward in one thread), or ``None``.
+        stop: returns true when the chunk should stop before its next element.
+        api: the name errors give.
+    """
+    record = ChunkRecord()
+    outputs = record.outputs
+    n = len(elements)
+    lo = sequence_nr()
+    last = None
+    for i in indices:
+        if stop is not None and stop():
+            break
+        if random is not None:
+            random.element(i)
+            last = i
+        try:
+            y = f(*elements[i])
+        except BaseException as exc:
+            add_note(exc, element_note(i, n, "forward", api))
+            raise
+        leaves, spec = flatten(y)
+        start = len(outputs)
+        diff = []
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                outputs.append(leaf)
+                diff.append(j)
+        record.elements.append(ElementResult(i, leaves, spec, diff, (start, len(outputs))))
+    if random is not None and last is not None:
+        random.check_chunk(last)
+    if known is not None and outputs:
+        record.boundary = find_boundary(outputs, lo, sequence_nr(), known)
+        record.stored = True
+    return record
+
+
+#: What ``pull_back`` returns for a chunk that can only be pulled back as a plain ``backward()``
+#: (NOTE [reentrant checkpoint] in ``_rule``).
+ACCUMULATE: Any = "gradmap.accumulate"
+_REENTRANT_CHECKPOINT = "use_reentrant=True, torch.utils.checkpoint is incompatible"
+
+
+def _nonzero(g: Tensor) -> bool:
+    if g.requires_grad or g.layout != torch.strided:
+        return True  # a zero cotangent that requires grad still carries a second-order term
+    return bool(g.any())
+
+
+def pull_back(
+    record: ChunkRecord,
+    cotangents: Sequence[Tensor | None],
+    *,
+    n: int,
+    owner: object,
+    recompute: Callable[[list[int], bool], ChunkRecord] | None = None,
+    create_graph: bool = False,
+    free_graph: bool = False,
+    rerun: Callable[[list[int], bool], ChunkRecord] | None = None,
+    api: str = "gradmap.tmap",
+) -> list[Tensor | None] | None:
+    """The chunk's gradients for its boundary entries, given a cotangent per output.
+
+    ``free_graph``: the stored graph is not needed again, so the pullback may free it as it goes
+    (``retain_graph=False``; compiled backwards with donated buffers require it). It is kept all
+    the same when the chunk has non-leaf boundary nodes, whose graph the caller's backward still
+    runs. A failing pullback that freed its graph names its element by recomputing the elements
+    one by one with ``rerun``.
+
+    Elements whose cotangents are all missing do no work; elements whose cotangents are all zero do
+    no work either, and the chunk's boundary gets zeros where nothing else reaches it, as the loop
+    would give. ``recompute`` (for ``remat`` and ``create_graph``) runs the live elements' forward
+    again and pulls back through that fresh graph instead of the stored one.
+
+    Returns:
+        One gradient (or ``None``) per boundary entry; ``None`` if no cotangent reached the chunk.
+    """
+    live: list[int] = []  # positions in record.elements
+    reached_zero = False  # some element was reached by zero cotangents only
+    outs: list[Tensor] = []
+    grads: list[Tensor] = []
+    for e, el in enumerate(record.elements):
+        reached = had = False
+        for o in range(*el.outputs):
+            g = cotangents[o]
+            if g is not None:
+                reached = True
+                if _nonzero(g):
+                    had = True
+                    outs.append(record.outputs[o])
+                    grads.append(g)
+        if had:
+            live.append(e)
+        elif reached:
+            reached_zero = True
+    if not live and not reached_zero:
+        return None
+    result: list[Tensor | None]
+    if not live:
+        result = [None] * len(record.boundary.keys)
+    elif recompute is not None:
+        result = _pull_back_fresh(record, cotangents, live, recompute, n, create_graph, api, owner)
+    else:
+        retain = not free_graph or bool(record.boundary.nodes)
+        one: Callable[[int], object] | None = lambda e: _pull_back_one(  # noqa: E731
+            record, e, cotangents, owner
+        )
+        if not retain:
+            one = (
+                None
+                if rerun is None
+                else lambda e: _pull_back_fresh(
+                    record, cotangents, [e], rerun, n, False, api, owner
+                )
+            )
+        try:
+            result = _grad(
+                outs, record.boundary.inputs, grads, create_graph=False, owner=owner, retain=retain
+            )
+        except Exception as exc:
+            if isinstance(exc, RuntimeError) and _REENTRANT_CHECKPOINT in str(exc):
+                if not retain:
+                    record.drop_graph()  # partly freed: the plain backward recomputes
+                return ACCUMULATE
+            _name_failing_element(exc, record, live, n, api, one)
+            raise
+    if reached_zero:
+        for k, t in enumerate(record.boundary.tensors):
+            if result[k] is None:
+                result[k] = torch.zeros_like(t)
+    return result
+
+
+def _grad(
+    outputs: list[Tensor],
+    inputs: list[Any],
+    grads: list[Tensor],
+    *,
+    create_graph: bool,
+    owner: object,
+    retain: bool = True,
+) -> list[Tensor | None]:
+    if not inputs:
+        return []
+    with pulling_back(owner):
+        return list(
+            torch.autograd.grad(
+                outputs,
+                inputs,
+                grads,
+                retain_graph=retain,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
+        )
+
+
+def _pull_back_one(
+    record: ChunkRecord, e: int, cotangents: Sequence[Tensor | None], owner: object
+) -> None:
+    el = record.elements[e]
+    pairs = [(record.outputs[o], cotangents[o]) for o in range(*el.outputs)]
+    pairs = [(t, g) for t, g in pairs if g is not None]
+    outs = [t for t, _ in pairs]
+    grads: list[Tensor] = [g for _, g in pairs if g is not None]
+    _grad(outs, record.boundary.inputs, grads, create_graph=False, owner=owner)
+
+
+def _pull_back_fresh(
+    record: ChunkRecord,
+    cotangents: Sequence[Tensor | None],
+    live: list[int],
+    recompute: Callable[[list[int], bool], ChunkRecord],
+    n: int,
+    create_graph: bool,
+    api: str,
+    owner: object,
+) -> list[Tensor | None]:
+    """Recompute the live elements (with a graph) and pull back through the fresh graph, mapping
+    its boundary onto the stored record's."""
+
+    def same(fresh: ChunkRecord, which: list[int]) -> bool:
+        for e, new in zip(which, fresh.elements):
+            el = record.elements[e]
+            if new.outputs[1] - new.outputs[0] != el.outputs[1] - el.outputs[0]:
+                return False
+            for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
+                a, b = fresh.outputs[o_new].detach(), record.outputs[o].detach()
+                if not (a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num())):
+                    return False
+        return len(fresh.elements) == len(which)
+
+    def run(which: list[int]) -> list[Tensor | None]:
+        indices = [record.elements[e].index for e in which]
+        fresh = recompute(indices, False)
+        if not same(fresh, which):
+            fresh = recompute(indices, True)  # f drew random numbers after all: replay them
+            if not same(fresh, which):
+                _not_deterministic(api)
+        outs: list[Tensor] = []
+        grads: list[Tensor] = []
+        for e, new in zip(which, fresh.elements):
+            el = record.elements[e]
+            for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
+                g = cotangents[o]
+                if g is not None:
+                    outs.append(fresh.outputs[o_new])
+                    grads.append(g)
+        where = {key: k for k, key in enumerate(record.boundary.keys)}
+        result: list[Tensor | None] = [None] * len(record.boundary.keys)
+        got = _grad(outs, fresh.boundary.inputs, grads, create_graph=create_graph, owner=owner)
+        for key, g in zip(fresh.boundary.keys, got):
+            k = where.get(key)
+            if k is None:
+                _not_deterministic(api)
+            result[k] = g
+        return result
+
+    try:
+        return run(live)
+    except RuntimeError as exc:
+        if _REENTRANT_CHECKPOINT in str(exc) and not create_graph:
+            return ACCUMULATE  # type: ignore[no-any-return]
+        _name_failing_element(exc, record, live, n, api, lambda e: run([e]))
+        raise
+    except Exception as exc:
+        _name_failing_element(exc, record, live, n, api, lambda e: run([e]))
+        raise
+
+
+def _not_deterministic(api: str) -> NoReturn:
+    raise RuntimeError(
+        f"{api}: recomputing f (remat=True, or a create_graph=True backward) gave other results, "
+        "or used other tensors, than its forward did. f must be deterministic apart from its "
+        "random numbers, which are replayed."
+    )
+
+
+def _has_gradmap_note(exc: BaseException) -> bool:
+    return any(str(n).startswith("gradmap") for n in getattr(exc, "__notes__", ()))
+
+
+def _name_failing_element(
+    exc: Exception,
+    record: ChunkRecord,
+    live: list[int],
+    n: int,
+    api: str,
+    pull_back_one: Callable[[int], object] | None,
+) -> None:
+    """Name the element whose backward raised ``exc``: the chunk's only live element, or the first
+    that raises when pulled back alone (that element's exception is raised instead)."""
+    if len(live) > 1 and pull_back_one is not None:
+        for e in live:
+            try:
+                pull_back_one(e)
+            except Exception as element_exc:
+                if not _has_gradmap_note(element_exc):
+                    add_note(
+                        element_exc, element_note(record.elements[e].index, n, "backward", api)
+                    )
+                raise element_exc from None
+    if _has_gradmap_note(exc):
+        return
+    first, last = record.elements[live[0]].index, record.elements[live[-1]].index
+    if first == last:
+        add_note(exc, element_note(first, n, "backward", api))
+    else:
+        add_note(exc, f"{api}: raised in the backward pass of elements {first}..{last} (of {n})")

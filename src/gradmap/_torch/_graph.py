@@ -1,0 +1,361 @@
+"""A chunk's boundary, read off the autograd graph it built; every private PyTorch API in one place.
+
+NOTE [the boundary of a chunk]:
+    ``f`` runs untouched: no mode, no stand-ins. What the gradient must reach is read off the graph
+    the chunk built. Walking ``grad_fn.next_functions`` from the chunk's outputs, every node is
+    either *inner* (created by this chunk) or not; the walk goes through inner nodes and stops at
+    the others, which form the boundary:
+    - an ``AccumulateGrad`` node: a leaf (a parameter, a closure or global leaf, an item leaf);
+    - any other node: a non-leaf tensor made before the call (an item cut from a tensor, a tensor
+      computed before the map); the boundary entry is the edge ``(node, output_nr)``, and the
+      graph behind it runs once, in the caller's backward, with the summed gradient.
+    A chunk's pullback is one ``torch.autograd.grad`` with those entries as ``inputs`` (leaves as
+    tensors, non-leaf edges as ``GradientEdge``): it writes no ``.grad``, so chunks pull back
+    concurrently.
+
+    Which nodes are inner: autograd numbers nodes per thread (``_sequence_nr``, a thread-local
+    counter that only grows). A chunk's forward runs in one thread; the counter before and after
+    it brackets every node the chunk created. A node with a number outside that range was not
+    created by this chunk. Inside the range, a node could still be another thread's (the counters
+    are per thread), so every tensor the map can see was made before the call -- the items, and
+    the non-leaf tensors reachable from ``f`` (closure cells, defaults, bound ``self``, the globals
+    its code names, ``functools.partial`` arguments, one level of containers and attributes) --
+    marks its node as outside whatever its number. What remains is a node another thread made,
+    numbered inside this chunk's range and reachable from ``f`` by no reference gradmap follows; it
+    would be walked through as inner. The gradient to every leaf stays right even then (the walk
+    just goes further up); only a request for that very tensor's gradient (``autograd.grad`` with
+    it as input, a hook on it) would miss the map's part. Cost: one counter read per chunk and the
+    walk, 1-3 us per node in Python, measured per workload in the README.
+
+NOTE [nothing past the boundary]:
+    ``autograd.grad`` stops at its inputs only where nothing behind them is needed: if a chunk
+    reaches both a parameter ``w`` and ``h = g(w)`` made before the call, asking for both would
+    run ``h``'s graph inside the chunk's pullback and count ``w``'s gradient through ``h`` twice
+    (once there, once when the caller's backward runs ``h``'s graph). So every non-leaf boundary
+    node gets, for the life of the map, a pre-hook that turns its incoming gradients into
+    undefined ones while the calling thread is inside a chunk pullback: the engine then neither
+    computes nor propagates anything behind it. The edge's own gradient is captured before the
+    hook runs. In the caller's backward the hook does nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import threading
+import types
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.autograd.graph import GradientEdge
+
+__all__ = [
+    "Boundary",
+    "find_boundary",
+    "hooks_quiet",
+    "keep_graph",
+    "plain_backward",
+    "pulling_back",
+    "reachable_from",
+    "sequence_nr",
+    "transforms_active",
+]
+
+Tensor = torch.Tensor
+Node = Any
+
+#: The thread's autograd node counter (the number the next node will get).
+sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+
+def keep_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def plain_backward() -> bool:
+    """Whether the running backward is a plain ``backward()`` (no ``inputs``, not ``grad``)."""
+    return bool(torch.autograd._is_checkpoint_valid())
+
+
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform or a forward-AD dual level is active."""
+    return bool(torch._C._are_functorch_transforms_active()) or fwAD._current_level >= 0
+
+
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_type()
+
+_pullback = threading.local()
+
+
+@contextmanager
+def pulling_back(owner: object) -> Iterator[None]:
+    """Mark the calling thread as running a chunk pullback of the map ``owner`` stands for
+    (NOTE [nothing past the boundary]). A map nested in ``f`` pulls back inside its outer map's
+    pullback: only the innermost owner's hooks block."""
+    was = getattr(_pullback, "owner", None)
+    _pullback.owner = owner
+    try:
+        yield
+    finally:
+        _pullback.owner = was
+
+
+class Boundary:
+    """What one chunk's graph reaches outside itself.
+
+    Attributes:
+        keys: one hashable key per entry; equal keys across chunks are the same join input.
+        tensors: the tensor of each entry (the join's input for it).
+        inputs: what ``autograd.grad`` takes for each entry: the leaf, or a ``GradientEdge``.
+        nodes: the non-leaf boundary nodes (kept alive: their ids are in ``keys``).
+    """
+
+    __slots__ = ("inputs", "keys", "nodes", "tensors")
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[Any, ...]] = []
+        self.tensors: list[Tensor] = []
+        self.inputs: list[Tensor | GradientEdge] = []
+        self.nodes: list[Node] = []
+
+
+class Known:
+    """The tensors made before the call that the map can see: items and what ``f`` refers to.
+
+    Non-leaf ones mark their nodes as outside every chunk and give the tensor for an edge.
+    """
+
+    def __init__(self, f: Any, elements: Sequence[tuple[Any, ...]]) -> None:
+        self._edges: dict[tuple[int, int], Tensor] = {}
+        self._nodes: dict[int, Node] = {}
+        self._scanned_gc = False
+        self._lock = threading.Lock()
+        for t in reachable_from(f, elements):
+            self.add(t)
+
+    def add(self, t: Tensor) -> None:
+        node = t.grad_fn
+        if node is not None:
+            self._edges.setdefault((id(node), t.output_nr), t)
+            self._nodes.setdefault(id(node), node)
+
+    def is_outside(self, node: Node) -> bool:
+        return id(node) in self._nodes
+
+    def tensor_for(self, node: Node, nr: int) -> Tensor | None:
+        """The tensor whose gradient edge is ``(node, nr)``, or ``None`` if none can be found."""
+        t = self._edges.get((id(node), nr))
+        if t is not None or self._scanned_gc:
+            return t
+        with self._lock:  # last resort, once per map: every tensor the collector tracks
+            if not self._scanned_gc:
+                with warnings.catch_warnings():  # isinstance on deprecated module attributes
+                    warnings.simplefilter("ignore")
+                    for obj in gc.get_objects():
+                        if isinstance(obj, Tensor) and obj.grad_fn is not None:
+                            self.add(obj)
+                self._scanned_gc = True
+        return self._edges.get((id(node), nr))
+
+
+def find_boundary(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary:
+    """Walk a chunk's graph from ``outputs``; nodes numbered in ``[lo, hi)`` are inner unless
+    ``known`` says otherwise (NOTE [the boundary of a chunk])."""
+    boundary = Boundary()
+    inner: dict[int, Node] = {}
+    seen_edges: set[tuple[int, int]] = set()
+    leaves: dict[int, Tensor] = {}
+    stack: list[Node] = []
+
+    def reach(node: Node, nr: int) -> None:
+        if type(node) is _ACCUMULATE_GRAD:
+            leaf: Tensor = getattr(node, "variable")  # noqa: B009 - narrowed type has no attribute
+            if id(leaf) not in leaves:
+                leaves[id(leaf)] = leaf
+                boundary.keys.append(("leaf", id(leaf)))
+                boundary.tensors.append(leaf)
+                boundary.inputs.append(leaf)
+            return
+        key = id(node)
+        if key in inner:
+            return
+        if lo <= node._sequence_nr() < hi and not known.is_outside(node):
+            inner[key] = node
+            stack.append(node)
+            return
+        if (key, nr) in seen_edges:
+            return
+        t = known.tensor_for(node, nr)
+        if t is None:
+            # No live tensor has this edge (an autocast cache's cast of a weight, an
+            # intermediate whose tensor is gone): nobody can ask for its gradient, so the walk
+            # goes through it to what it was made from (NOTE [the boundary of a chunk]).
+            inner[key] = node
+            stack.append(node)
+            return
+        seen_edges.add((key, nr))
+        boundary.keys.append(("edge", key, nr))
+        boundary.tensors.append(t)
+        boundary.inputs.append(GradientEdge(node, nr))
+        boundary.nodes.append(node)
+
+    for t in outputs:
+        node = t.grad_fn
+        if node is None:  # a leaf that requires grad, returned as it is
+            if id(t) not in leaves:
+                leaves[id(t)] = t
+                boundary.keys.append(("leaf", id(t)))
+                boundary.tensors.append(t)
+                boundary.inputs.append(t)
+        else:
+            reach(node, t.output_nr)
+    while stack:
+        for child, nr in stack.pop().next_functions:
+            if child is not None:
+                reach(child, nr)
+    return boundary
+
+
+class BlockHooks:
+    """The pre-hooks of NOTE [nothing past the boundary] on a map's non-leaf boundary nodes;
+    they block while the thread pulls back a chunk of the map ``owner`` stands for."""
+
+    def __init__(self, nodes: Iterable[Node], owner: object) -> None:
+        def block(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None, ...] | None:
+            if getattr(_pullback, "owner", None) is owner:
+                return (None,) * len(grad_outputs)
+            return None
+
+        self._handles = []
+        seen: set[int] = set()
+        for node in nodes:
+            if id(node) not in seen:
+                seen.add(id(node))
+                self._handles.append(node.register_prehook(block))
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def hooks_quiet(tensors: Iterable[Tensor]) -> Iterator[None]:
+    """While chunks pull back: the boundary tensors' own hooks (``register_hook``,
+    ``retain_grad``) stay quiet.
+
+    The engine runs a tensor's hooks whenever its gradient edge is an ``autograd.grad`` input, so
+    every chunk pullback would run them with its share, and the caller's backward once more with
+    the sum; the loop runs them once, with the sum. So during the join's backward (when nothing
+    else can reach these edges: they wait for the join) the hooks are set aside and a retained
+    ``.grad`` is put back as it was.
+    """
+    stashed: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+    retained: list[tuple[Tensor, Tensor | None]] = []
+    for t in tensors:
+        hooks = t._backward_hooks
+        if hooks:
+            stashed.append((hooks, dict(hooks)))
+            hooks.clear()
+        if t.grad_fn is not None and t.retains_grad:
+            retained.append((t, t.grad))
+    try:
+        yield
+    finally:
+        for hooks, saved in stashed:
+            hooks.update(saved)
+        for t, grad in retained:
+            t.grad = grad
+
+
+# -- what f refers to ---------------------------------------------------------------------------
+
+_SKIP = (types.ModuleType, type, types.BuiltinFunctionType, str, bytes, int, float, bool)
+_MAX_OBJECTS = 2000
+
+
+def reachable_from(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[Tensor]:
+    """The non-leaf tensors requiring grad among the items and what ``f`` refers to."""
+    found: list[Tensor] = []
+    for args in elements:
+        for arg in args:
+            _collect(arg, found, set(), 0, items=True)
+    _collect(f, found, set(), 0)
+    return found
+
+
+def modules_of(f: Any) -> list[torch.nn.Module]:
+    """The ``nn.Module`` objects ``f`` refers to (whose buffers a recompute must not update)."""
+    found: list[Any] = []
+    _collect(f, found, set(), 0, modules=True)
+    return found
+
+
+def _collect(
+    obj: Any,
+    found: list[Any],
+    seen: set[int],
+    depth: int,
+    items: bool = False,
+    modules: bool = False,
+) -> None:
+    if len(seen) > _MAX_OBJECTS or id(obj) in seen or isinstance(obj, _SKIP) or obj is None:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, Tensor):
+        if not modules and obj.requires_grad and obj.grad_fn is not None:
+            found.append(obj)
+        return
+    if isinstance(obj, torch.nn.Module):
+        if modules:
+            found.append(obj)
+            return
+        for value in obj.__dict__.values():  # plain attributes; parameters are leaves anyway
+            if isinstance(value, Tensor):
+                _collect(value, found, seen, depth + 1, modules=modules)
+        return
+    if depth > 3:
+        return
+    children: Iterable[Any]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        children = obj
+    elif isinstance(obj, dict):
+        children = obj.values()
+    elif items:
+        children = getattr(obj, "__dict__", {}).values()
+    elif isinstance(obj, types.MethodType):
+        children = (obj.__self__, obj.__func__)
+    elif isinstance(obj, functools.partial):
+        children = (obj.func, obj.args, obj.keywords)
+    elif isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        cells = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+        named = [obj.__globals__[n] for n in code.co_names if n in obj.__globals__]
+        children = [*cells, *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values(), *named]
+    else:
+        d = getattr(obj, "__dict__", None)
+        children = d.values() if isinstance(d, dict) else ()
+        call = type(obj).__dict__.get("__call__")
+        if isinstance(call, types.FunctionType) and depth == 0:
+            children = [*children, call]
+    for child in children:
+        _collect(child, found, seen, depth + 1, items=items, modules=modules)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
