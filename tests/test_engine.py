@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 
-from gradmap._engine import run_chunks
+from gradmap._engine import run_chunks, run_pipeline
 from gradmap._executors import FuturesExecutor, SerialExecutor, ThreadExecutor
+from gradmap._placement import placement_for
 from gradmap._plan import TARGET_CHUNKS, plan_chunks
 
 
@@ -100,3 +102,122 @@ def test_shared_pool_caller_waits_unless_nested():
         return me in inner
 
     assert all(run_chunks(ThreadExecutor(2), 2, outer))
+
+
+# -- the produce/consume pipeline of tsum ----------------------------------------------------------
+
+PIPELINE_EXECUTORS = [
+    SerialExecutor(),
+    ThreadExecutor(1),
+    ThreadExecutor(3),
+    FuturesExecutor(concurrent.futures.ThreadPoolExecutor(2)),
+]
+
+
+@pytest.mark.parametrize("executor", PIPELINE_EXECUTORS, ids=repr)
+def test_pipeline_consumes_every_product_in_chunk_order(executor):
+    produced: list[int] = []
+    consumers: set[int] = set()
+
+    def consume(k: int, product: int) -> int:
+        consumers.add(threading.get_ident())
+        return product + 1
+
+    out = run_pipeline(executor, 40, lambda k, stopped: produced.append(k) or k * 10, consume)
+    assert produced == list(range(40))  # in order, in the caller's thread
+    assert out == [k * 10 + 1 for k in range(40)]
+
+
+@pytest.mark.parametrize("executor", PIPELINE_EXECUTORS, ids=repr)
+@pytest.mark.parametrize("where", ["produce", "consume"])
+def test_pipeline_reports_the_lowest_failing_chunk(executor, where):
+    class Boom(Exception):
+        pass
+
+    def produce(k: int, stopped) -> int:
+        if where == "produce" and k in (7, 12):
+            raise Boom(k)
+        return k
+
+    def consume(k: int, product: int) -> int:
+        if where == "consume" and k in (7, 12):
+            raise Boom(k)
+        return k
+
+    with pytest.raises(Boom) as info:
+        run_pipeline(executor, 20, produce, consume)
+    assert info.value.args == (7,)
+
+
+def test_pipeline_stops_producing_after_a_failure():
+    produced: list[int] = []
+
+    def produce(k: int, stopped) -> int:
+        produced.append(k)
+        if k == 3:
+            raise ValueError(k)
+        return k
+
+    with pytest.raises(ValueError):
+        run_pipeline(SerialExecutor(), 10, produce, lambda k, p: p)
+    assert produced == [0, 1, 2, 3]
+
+
+# -- forward placement ---------------------------------------------------------------------------
+
+
+def test_placement_first_call_in_one_thread_then_measured():
+    def f(x):  # a new code object: no history yet
+        return x
+
+    first = placement_for(f, forced_many=False, forced_one=False)
+    assert not first.many
+    second = placement_for(f, forced_many=False, forced_one=False)
+    assert second.many  # measured on the pool
+
+    # A pass whose threads were busy for less than PARALLEL_THRESHOLD x its wall time: one thread.
+    second.timed(lambda: time.sleep(0.02))
+    assert not placement_for(f, forced_many=False, forced_one=False).many
+
+
+def test_placement_keeps_the_pool_for_a_parallel_forward():
+    def g(x):
+        return x
+
+    placement_for(g, forced_many=False, forced_one=False)
+    measured = placement_for(g, forced_many=False, forced_one=False)
+    measured.record(1.8)  # CPU seconds of the pass's threads over its wall seconds
+    assert placement_for(g, forced_many=False, forced_one=False).many
+    remeasured = placement_for(g, forced_many=False, forced_one=False)
+    remeasured.record(1.0)  # a GIL-bound forward: only one thread ran at a time
+    assert not placement_for(g, forced_many=False, forced_one=False).many
+
+
+def test_placement_measures_thread_cpu_time():
+    def k(x):
+        return x
+
+    placement_for(k, forced_many=False, forced_one=False)
+    measured = placement_for(k, forced_many=False, forced_one=False)
+    seen: list[float] = []
+    measured.record = seen.append  # type: ignore[method-assign]
+
+    def busy() -> None:
+        with measured.thread():
+            end = time.thread_time() + 0.02
+            while time.thread_time() < end:
+                pass
+
+    measured.timed(busy)
+    assert len(seen) == 1 and 0.5 < seen[0] <= 1.05  # one busy thread: about 1
+
+
+def test_placement_forced_and_random():
+    def h(x):
+        return x
+
+    assert not placement_for(h, forced_many=False, forced_one=True).many
+    first = placement_for(h, forced_many=True, forced_one=False)
+    assert not first.many  # the first call learns whether f draws random numbers
+    first.learned_random(True)
+    assert not placement_for(h, forced_many=True, forced_one=False).many

@@ -103,9 +103,14 @@ class Placement:
         start = time.perf_counter()
         out = run()
         wall = time.perf_counter() - start
-        if self._history is not None and wall > 0:
-            self._history.parallel = self._cpu / wall >= PARALLEL_THRESHOLD
+        if wall > 0:
+            self.record(self._cpu / wall)
         return out
+
+    def record(self, parallelism: float) -> None:
+        """Keep the pool for later calls if a measured pass reached ``PARALLEL_THRESHOLD``."""
+        if self._history is not None:
+            self._history.parallel = parallelism >= PARALLEL_THRESHOLD
 
     def learned_random(self, drew: bool) -> None:
         if drew and self._history is not None:

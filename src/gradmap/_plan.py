@@ -8,8 +8,8 @@ NOTE [chunk boundaries depend on the element count only]:
 
     The automatic size aims at about ``TARGET_CHUNKS`` chunks: enough that workers rarely idle at
     the end of a ragged map on many cores, few enough that the per-chunk costs (one
-    ``autograd.grad`` call, one stand-in per captured tensor, one addition per parameter in the
-    reduction) stay small next to the work.
+    ``autograd.grad`` call and a graph walk, one addition per parameter in the reduction) stay
+    small next to the work.
 """
 
 from __future__ import annotations
@@ -38,34 +38,33 @@ class ChunkPlan:
         return start, min(start + self.size, self.n)
 
 
-def plan_chunks(n: int, chunksize: int | None = None) -> ChunkPlan:
+def plan_chunks(n: int, chunksize: int | None = None, api: str = "gradmap.tmap") -> ChunkPlan:
     """Cut ``n`` elements into chunks.
 
     Arguments:
         n: the number of elements.
         chunksize: elements per chunk; ``None`` for about ``TARGET_CHUNKS`` chunks.
+        api: the function named in error messages.
 
     Returns:
         The plan.
     """
     if chunksize is None:
         return ChunkPlan(n, max(1, -(-n // TARGET_CHUNKS)))
-    return ChunkPlan(n, check_chunksize(chunksize))
+    return ChunkPlan(n, check_chunksize(chunksize, api))
 
 
-def check_chunksize(chunksize: object) -> int:
+def check_chunksize(chunksize: object, api: str = "gradmap.tmap") -> int:
     """``chunksize`` as an int, or a clear error."""
     if isinstance(chunksize, bool):
-        raise TypeError(f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}")
+        raise TypeError(f"{api}: chunksize must be an int or None, got {chunksize!r}")
     try:
         size = operator.index(chunksize)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(
-            f"gradmap.tmap: chunksize must be an int or None, got {chunksize!r}"
-        ) from None
+        raise TypeError(f"{api}: chunksize must be an int or None, got {chunksize!r}") from None
     if size < 1:
         raise ValueError(
-            f"gradmap.tmap: chunksize must be at least 1, got {size}; "
+            f"{api}: chunksize must be at least 1, got {size}; "
             "pass chunksize=None to let gradmap choose"
         )
     return size

@@ -7,19 +7,19 @@ NOTE [the map on Ray]:
     - Identity. ``f`` is pickled once per call and put in Ray's object store; each chunk's items
       are pickled when the chunk is first sent. Every tensor that requires grad reachable from
       them travels as an id (NOTE [tensors travel as identities]); the driver keeps id ->
-      original. On a worker they are leaves, which the capture cuts into stand-ins per chunk as it
-      does the caller's tensors in a thread.
-    - Forward. Chunks go to the actors (NOTE [a pass over the actors]); each runs the thread
-      executor's ``_forward_elements`` under the caller's grad mode and autocast, keeps the chunk's
-      graph keyed by (call, chunk), and returns the results with their join outputs detached, and
-      the ids of the caller's tensors the chunk used.
+      original. On a worker they are leaves, so a chunk's graph ends at them: its boundary
+      (NOTE [the boundary of a chunk]) is the caller's tensors it used.
+    - Forward. Chunks go to the actors (NOTE [a pass over the actors]); each runs a chunk record's
+      forward (``_torch/_chunk.py``, as threads do) under the caller's grad mode and autocast,
+      keeps the record keyed by (call, chunk), and returns the results with their join outputs
+      detached, and the ids of the caller's tensors the chunk used.
     - The join. One ``autograd.Function`` on the driver takes as inputs the originals of every id
       some chunk used, and returns the join outputs, so the caller's graph sees the whole map as
       one node, as with threads. Its state object has a ``weakref.finalize`` that sends a release
       to the actors: a graph freed without a backward (results dropped, an exception) leaves no
       state on them.
     - Backward. Each chunk's cotangents go to the actor holding its graph, which pulls it back
-      (the thread executor's ``_backward_chunk``: missing and zero cotangents skip the work) and
+      (the chunk record's ``pull_back``: missing and zero cotangents skip the work) and
       sends one gradient per id: the chunk's sum, computed there -- one tensor per parameter per
       chunk, not per element. The driver sums them per id in chunk order, so the gradients are
       bitwise the same for any number of actors, any assignment of chunks and any run.

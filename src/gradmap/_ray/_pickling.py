@@ -10,9 +10,9 @@ NOTE [tensors travel as identities]:
     ``nn.Parameter`` for a parameter) and every later load of it, in ``f`` or in any chunk's items,
     returns that same leaf, so ``f`` sees one object where the loop saw one.
 
-    The pickling cuts the graph, which is the cut the thread executor makes with its stand-ins
-    (``_torch/_capture.py``): a non-leaf original (``b = 2 * a``) gets its gradient as an input of
-    the join node, and its own upstream graph runs once, on the driver, with the summed gradient.
+    The pickling cuts the graph where a chunk's boundary does with threads (NOTE [the boundary of
+    a chunk]): a non-leaf original (``b = 2 * a``) gets its gradient as an input of the join
+    node, and its own upstream graph runs once, on the driver, with the summed gradient.
 
     Tensors that do not require grad are written as their raw bytes (a ``PickleBuffer``, no
     ``torch.save`` per storage) and only their own elements: a row of a large tensor (``tmap``

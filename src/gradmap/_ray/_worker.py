@@ -1,12 +1,11 @@
 """The worker: a Ray actor that runs chunks of calls, keeps their graphs, and pulls them back.
 
-It reuses the thread executor's chunk machinery as it is (``_torch/_rule.py``): a chunk's forward
-is ``_forward_elements`` -- the capture of the tensors ``f`` uses, stand-ins per chunk, random
-numbers per element, routed ``autograd.Function`` calls, notes naming a failing element -- and its
-pullback is ``_backward_chunk``, with its handling of missing and zero cotangents. The leaves that
-arrived for the caller's tensors (``_pickling``) play the part of the caller's tensors: the
-capture cuts them into stand-ins per chunk, so each chunk's gradient for them is its own sum,
-whatever else ran on this actor.
+It hosts the same chunk record as the thread executor (``_torch/_chunk.py``): a chunk's forward is
+``run_forward`` -- ``f`` untouched, random numbers seeded per element, the boundary read off the
+chunk's graph, notes naming a failing element -- and its pullback is ``pull_back``, with its
+handling of missing and zero cotangents. The leaves that arrived for the caller's tensors
+(``_pickling``) are where each chunk's graph ends, so each chunk's gradient for them is its own
+sum, whatever else ran on this actor.
 
 Methods (the work methods take a batch of consecutive chunks and answer per chunk):
     ``forward``: run chunks; keep their graphs (unless ``remat`` or grad mode is off); return
@@ -105,7 +104,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class _Window(Sequence[Any]):
-    """The elements of one chunk, indexed by their place in the whole map (``_forward_elements``
+    """The elements of one chunk, indexed by their place in the whole map (``run_forward``
     indexes elements globally: the element notes and random seeds use the global index)."""
 
     def __init__(self, items: list[tuple[Any, ...]], start: int, n: int) -> None:
@@ -123,7 +122,7 @@ class _Window(Sequence[Any]):
 @dataclass
 class _Kept:
     chunk: ChunkRecord
-    pids: list[int]  # the pid of each item stand-in, then of each foreign stand-in
+    pids: list[int]  # the pid of each boundary tensor of the chunk
 
 
 @dataclass
@@ -171,7 +170,8 @@ class Worker:
 
             leaves = LeafTable()
             f, spec = loads(ray.get(box[0]), leaves)
-            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state), Known(f, ()))
+            known = Known(f, (), eager=False)
+            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state), known)
             self._calls[call_id] = state
         self._check_threads()
         return state

@@ -120,6 +120,25 @@ def _nonzero(g: Tensor) -> bool:
     return bool(g.any())
 
 
+def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:
+    """Whether each cotangent is nonzero; 0-d ones (the losses of a map) in one tensor op."""
+    scalar = [
+        g is not None
+        and g.dim() == 0
+        and not g.requires_grad
+        and g.layout == torch.strided
+        and g.device.type == "cpu"
+        for g in cotangents
+    ]
+    scalars = [g for g, s in zip(cotangents, scalar) if s]
+    if len(scalars) < 4 or len({g.dtype for g in scalars}) > 1:  # type: ignore[union-attr]
+        return [g is not None and _nonzero(g) for g in cotangents]
+    flags = iter(torch.stack(scalars).ne(0).tolist())  # type: ignore[arg-type]
+    return [
+        next(flags) if s else (g is not None and _nonzero(g)) for g, s in zip(cotangents, scalar)
+    ]
+
+
 def pull_back(
     record: ChunkRecord,
     cotangents: Sequence[Tensor | None],
@@ -152,13 +171,14 @@ def pull_back(
     reached_zero = False  # some element was reached by zero cotangents only
     outs: list[Tensor] = []
     grads: list[Tensor] = []
+    nonzero = _nonzero_all(cotangents)
     for e, el in enumerate(record.elements):
         reached = had = False
         for o in range(*el.outputs):
             g = cotangents[o]
             if g is not None:
                 reached = True
-                if _nonzero(g):
+                if nonzero[o]:
                     had = True
                     outs.append(record.outputs[o])
                     grads.append(g)

@@ -37,6 +37,34 @@ __all__ = ["MapRandom"]
 _LOCK = threading.RLock()
 
 
+def _position(state: torch.Tensor) -> torch.Tensor:
+    # The CPU generator's state begins with its Mersenne twister's seed (8 bytes), then where it
+    # is in its block of numbers (bytes 8-20): the same right after any seeding, moved by a draw.
+    return state[8:20]
+
+
+def _check_layout() -> bool:
+    a = torch.Generator().manual_seed(1)
+    b = torch.Generator().manual_seed(2)
+    seeded = _position(a.get_state())
+    torch.rand((), generator=b)
+    return torch.equal(seeded, _position(torch.Generator().manual_seed(3).get_state())) and not (
+        torch.equal(seeded, _position(b.get_state()))
+    )
+
+
+_SEEDED = _position(torch.Generator().manual_seed(0).get_state())
+_LAYOUT_KNOWN = _check_layout()
+
+
+def _drew_since_seeding(seed: int) -> bool:
+    """Whether the global generator moved since it was seeded with ``seed`` (about 2 us)."""
+    state = torch.default_generator.get_state()
+    if _LAYOUT_KNOWN:
+        return not torch.equal(_position(state), _SEEDED)
+    return not torch.equal(state, torch.Generator().manual_seed(seed).get_state())
+
+
 class MapRandom:
     """The per-element seeds of one map."""
 
@@ -70,9 +98,7 @@ class MapRandom:
         """Record whether the chunk whose last seeded element is ``last`` drew anything."""
         if not self.drew:
             assert self.base is not None
-            scratch = torch.Generator().manual_seed(self.base + last)
-            if not torch.equal(scratch.get_state(), torch.default_generator.get_state()):
-                self.drew = True
+            self.drew = _drew_since_seeding(self.base + last)
 
     def replaying(self, seeded: bool) -> ContextManager[MapRandom | None]:
         """The context of a recompute: with ``seeded`` (or if ``f`` is known to draw), the lock

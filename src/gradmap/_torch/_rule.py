@@ -166,7 +166,8 @@ class MapCall:
     def recompute(self, indices: list[int], seeded: bool = False) -> ChunkRecord:
         """A fresh forward of some elements, with a graph (in a backward pass's thread); with
         ``seeded``, replaying each element's random numbers even if ``f`` was not seen to draw."""
-        assert self.f is not None and self.elements is not None
+        assert self.f is not None and self.elements is not None and self.known is not None
+        self.known.complete()
         replay = self.random.replaying(seeded)
         with torch.enable_grad(), self.state.autocast_context(), replay as seeded_by:
             return run_forward(
@@ -223,7 +224,7 @@ def map_torch(
     )
     with_graph = torch.is_grad_enabled() and not call.state.inference
     if with_graph:
-        call.known = Known(f, elements)
+        call.known = Known(f, elements, eager=call.placement.many)
     records = call.forward(with_graph)
     if not with_graph:
         return [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
@@ -408,8 +409,9 @@ def sum_torch(
     )
     if not (torch.is_grad_enabled() and not call.state.inference):
         records = call.forward(False)
-        return sum_results([unflatten(el.leaves, el.spec) for r in records for el in r.elements])
-    call.known = Known(f, elements)
+        results = [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
+        return sum_results(results, [len(r.elements) for r in records])
+    call.known = Known(f, elements, eager=call.placement.many)
     return _sum_join(call, _forward_pulled_back(call))
 
 
@@ -491,24 +493,35 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
     return out  # type: ignore[return-value]
 
 
-def sum_results(results: list[Any]) -> Any:
-    """The leaf-by-leaf sum of the elements' results, in element order."""
+def sum_results(results: list[Any], chunks: list[int] | None = None) -> Any:
+    """The leaf-by-leaf sum of the elements' results: within each chunk in element order, then
+    the chunks' sums in chunk order (the order of the differentiable path, so that a sum under
+    ``no_grad`` is bitwise the one under grad mode). ``chunks``: elements per chunk; ``None``
+    for one chunk."""
     if not results:
         raise ValueError(
             "gradmap.tsum: there are no elements to sum; the sum of nothing has no shape"
         )
     leaves, spec = flatten(results[0])
-    totals = list(leaves)
-    for i, y in enumerate(results[1:], 1):
-        more, other = flatten(y)
-        if other != spec or len(more) != len(totals):
-            raise ValueError(
-                f"gradmap.tsum: element {i} returned a result of another structure than element "
-                "0's; every element must return the same structure (a tensor, or a pytree of "
-                "tensors) to be summed"
-            )
-        totals = [a + b for a, b in zip(totals, more)]
-    return unflatten(totals, spec)
+    sizes = chunks or [len(results)]
+    total: list[Any] | None = None
+    i = 0
+    for size in sizes:
+        partial: list[Any] | None = None
+        for y in results[i : i + size]:
+            more, other = flatten(y)
+            if other != spec or len(more) != len(leaves):
+                raise ValueError(
+                    f"gradmap.tsum: element {i} returned a result of another structure than "
+                    "element 0's; every element must return the same structure (a tensor, or a "
+                    "pytree of tensors) to be summed"
+                )
+            partial = more if partial is None else [a + b for a, b in zip(partial, more)]
+            i += 1
+        assert partial is not None
+        total = partial if total is None else [a + b for a, b in zip(total, partial)]
+    assert total is not None
+    return unflatten(total, spec)
 
 
 def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None] | None]]) -> Any:

@@ -1,4 +1,4 @@
-"""Memory of one forward and backward: the loop, tmap storing graphs, tmap(remat=True).
+"""Memory of one forward and backward: the loop, tmap storing graphs, tmap(remat=True), tsum.
 
 Measured as the growth of the peak resident set size (``ru_maxrss``) over one forward + backward,
 each variant in a fresh Python process (after building the workload, and after one warm-up run of
@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["MEMORY_VARIANTS", "format_memory", "measure_memory"]
 
-MEMORY_VARIANTS = ("loop", "tmap", "remat")
+MEMORY_VARIANTS = ("loop", "tmap", "remat", "tsum")
 
 
 def _peak_kib() -> int:
@@ -40,6 +40,8 @@ def _child(workload_name: str, n: int, variant: str, seed: int) -> dict[str, Any
     def total_loss(items: list[Any]) -> torch.Tensor:
         if variant == "loop":
             return torch.stack([workload.f(x) for x in items]).sum()
+        if variant == "tsum":
+            return gradmap.tsum(workload.f, items)  # type: ignore[no-any-return]
         losses = gradmap.tmap(workload.f, items, remat=variant == "remat")
         return torch.stack(losses).sum()
 

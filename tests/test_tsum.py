@@ -1,0 +1,215 @@
+"""``gradmap.tsum`` against the plain loop's sum, over every executor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import gradmap
+
+from support import Boom, gradmap_notes
+
+F64 = torch.float64
+
+
+def _model_and_bags(seed: int = 0, n: int = 9) -> tuple[nn.Module, list[Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(F64)
+    sizes = torch.randint(1, 7, (n,), generator=g).tolist()
+    bags = [torch.randn(k, 4, dtype=F64, generator=g, requires_grad=True) for k in sizes]
+    return model, bags
+
+
+def _grads(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
+    return list(torch.autograd.grad(loss, wrt, allow_unused=True))
+
+
+def _close(got: list[Tensor | None], ref: list[Tensor | None]) -> None:
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r)
+
+
+def test_sum_of_losses_matches_loop(tmap_kwargs):
+    model, bags = _model_and_bags()
+    h = torch.randn(4, dtype=F64, requires_grad=True)
+    shift = h * 2  # a tensor made before the call: its graph runs once, with the sum
+
+    def f(bag: Tensor) -> Tensor:
+        return model(bag + shift).pow(2).mean()
+
+    wrt = [*model.parameters(), h, *bags]
+    ref_loss = sum(f(b) for b in bags)
+    ref = _grads(ref_loss, wrt)
+    shift = h * 2
+    loss = gradmap.tsum(f, bags, **tmap_kwargs)
+    torch.testing.assert_close(loss, ref_loss)
+    _close(_grads(loss, wrt), ref)
+
+
+def test_backward_accumulates_like_the_loop(tmap_kwargs):
+    model, bags = _model_and_bags(1)
+
+    def f(bag: Tensor) -> Tensor:
+        return model(bag).sum()
+
+    sum(f(b) for b in bags).backward()
+    ref = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    (3.0 * gradmap.tsum(f, bags, **tmap_kwargs)).backward()
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(p.grad, 3.0 * r)
+
+
+@pytest.mark.parametrize("kind", ["vector", "pytree"])
+def test_other_result_shapes_take_the_general_path(tmap_kwargs, kind):
+    model, bags = _model_and_bags(2)
+
+    def f(bag: Tensor):
+        out = model(bag).mean(0) * bag.sum()  # shape (1,)
+        if kind == "pytree":
+            return {"a": out, "b": (bag.pow(2).sum(), torch.tensor(1.0))}
+        return out.expand(3)
+
+    def weigh(total) -> Tensor:
+        if kind == "pytree":
+            return (total["a"] * 2).sum() + total["b"][0] * 3 + total["b"][1]
+        return (total * torch.tensor([1.0, -2.0, 0.5], dtype=F64)).sum()
+
+    wrt = [*model.parameters(), *bags]
+    ref_total = f(bags[0])
+    for b in bags[1:]:
+        ref_total = (
+            {
+                "a": ref_total["a"] + f(b)["a"],
+                "b": tuple(x + y for x, y in zip(ref_total["b"], f(b)["b"])),
+            }
+            if kind == "pytree"
+            else ref_total + f(b)
+        )
+    ref = _grads(weigh(ref_total), wrt)
+    got_total = gradmap.tsum(f, bags, **tmap_kwargs)
+    _close(_grads(weigh(got_total), wrt), ref)
+
+
+def test_gradcheck_and_gradgradcheck():
+    model, bags = _model_and_bags(3, n=4)
+    bags = [b.detach()[:2].requires_grad_() for b in bags]
+
+    def total(*bs: Tensor) -> Tensor:
+        return gradmap.tsum(lambda b: model(b).tanh().sum(), bs, chunksize=2)
+
+    assert torch.autograd.gradcheck(total, bags)
+    assert torch.autograd.gradgradcheck(total, bags)
+
+
+def test_double_backward_matches_loop():
+    model, bags = _model_and_bags(4)
+    w = torch.randn(4, dtype=F64, requires_grad=True)
+
+    def f(bag: Tensor) -> Tensor:
+        return model(bag * w).pow(2).sum()
+
+    (g_ref,) = torch.autograd.grad(sum(f(b) for b in bags), [w], create_graph=True)
+    (gg_ref,) = torch.autograd.grad(g_ref.pow(2).sum(), [w])
+    (g,) = torch.autograd.grad(gradmap.tsum(f, bags, chunksize=2), [w], create_graph=True)
+    (gg,) = torch.autograd.grad(g.pow(2).sum(), [w])
+    torch.testing.assert_close(g, g_ref)
+    torch.testing.assert_close(gg, gg_ref)
+
+
+def test_remat_and_no_grad(tmap_kwargs):
+    model, bags = _model_and_bags(5)
+
+    def f(bag: Tensor) -> Tensor:
+        return model(bag).exp().mean()
+
+    wrt = list(model.parameters())
+    ref_loss = sum(f(b) for b in bags)
+    ref = _grads(ref_loss, wrt)
+    _close(_grads(gradmap.tsum(f, bags, remat=True, **tmap_kwargs), wrt), ref)
+    with torch.no_grad():
+        total = gradmap.tsum(f, bags, **tmap_kwargs)
+    assert not total.requires_grad
+    torch.testing.assert_close(total, ref_loss.detach())
+
+
+def test_bitwise_the_same_for_any_worker_count():
+    model, bags = _model_and_bags(6, n=40)
+    bags = [b.float() for b in bags]
+    model = model.float()
+
+    def grads(**kwargs) -> list[Tensor]:
+        loss = gradmap.tsum(lambda b: model(b).mean(), bags, **kwargs)
+        return [loss.detach(), *torch.autograd.grad(loss, list(model.parameters()))]
+
+    ref = grads(executor="serial")
+    for workers in (1, 2, 4):
+        got = grads(workers=workers)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), workers
+
+
+def test_error_in_forward_names_the_element(tmap_kwargs):
+    model, bags = _model_and_bags(7)
+
+    def f(bag: Tensor) -> Tensor:
+        if bag.shape[0] == bags[5].shape[0] and torch.equal(bag, bags[5]):
+            raise Boom("bad bag")
+        return model(bag).sum()
+
+    with pytest.raises(Boom) as info:
+        gradmap.tsum(f, bags, **tmap_kwargs)
+    assert any("element 5 " in n and "gradmap.tsum" in n for n in gradmap_notes(info.value))
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        raise Boom("backward of a bad element")
+
+
+def test_error_in_early_pullback_names_the_element(tmap_kwargs):
+    model, bags = _model_and_bags(8)
+
+    def f(bag: Tensor) -> Tensor:
+        y = model(bag).sum()
+        return _FailingBackward.apply(y) if bag is bags[4] else y
+
+    with pytest.raises(Boom) as info:
+        gradmap.tsum(f, bags, **tmap_kwargs)  # the pullback runs during the forward
+    assert any("element 4 " in n for n in gradmap_notes(info.value))
+
+
+def test_no_elements_and_mismatched_results():
+    with pytest.raises(ValueError, match="no elements"):
+        gradmap.tsum(lambda x: x, [])
+    w = torch.ones(2, requires_grad=True)
+    with pytest.raises(ValueError, match="structure"):
+        gradmap.tsum(lambda i: (w * i).sum() if i else {"a": w.sum()}, range(3), chunksize=1)
+
+
+def test_random_losses_reproducible_under_grad_and_no_grad():
+    w = torch.randn(3, requires_grad=True)
+    drop = nn.Dropout(0.5)
+
+    def f(i: int) -> Tensor:
+        return (drop(w * (i + 1)) + torch.rand(3)).sum()
+
+    def total(**kwargs) -> Tensor:
+        torch.manual_seed(11)
+        return gradmap.tsum(f, range(12), chunksize=3, **kwargs)
+
+    ref = total(executor="serial")
+    with torch.no_grad():
+        assert torch.equal(total(workers=2), ref.detach())
+    assert torch.equal(total(workers=2).detach(), ref.detach())
+    assert torch.equal(total(workers=4).detach(), ref.detach())
