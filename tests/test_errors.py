@@ -12,9 +12,7 @@ import torch
 
 import gradmap
 
-
-class Boom(ValueError):
-    pass
+from support import Boom, notes
 
 
 def _raise_at(bad: int, w: torch.Tensor):
@@ -26,17 +24,13 @@ def _raise_at(bad: int, w: torch.Tensor):
     return f
 
 
-def _notes(exc: BaseException) -> str:
-    return "\n".join(getattr(exc, "__notes__", []))
-
-
 @pytest.mark.parametrize("bad", [0, 5, 9])
 def test_forward_error_names_element_and_keeps_type(tmap_kwargs, bad):
     w = torch.ones(3, requires_grad=True)
     with pytest.raises(Boom, match=f"bad element {bad}") as info:
         gradmap.tmap(_raise_at(bad, w), range(10), **tmap_kwargs)
-    assert f"element {bad} (of 10)" in _notes(info.value)
-    assert "forward" in _notes(info.value)
+    assert f"element {bad} (of 10)" in notes(info.value)
+    assert "forward" in notes(info.value)
     # The worker's frames are kept: the traceback reaches the line in f that raised.
     frames = [fr.name for fr in traceback.extract_tb(info.value.__traceback__)]
     assert "f" in frames
@@ -46,7 +40,7 @@ def test_forward_error_without_grad(tmap_kwargs):
     w = torch.ones(3)
     with torch.no_grad(), pytest.raises(Boom) as info:
         gradmap.tmap(_raise_at(3, w), range(8), **tmap_kwargs)
-    assert "element 3 (of 8)" in _notes(info.value)
+    assert "element 3 (of 8)" in notes(info.value)
 
 
 def test_lowest_failing_element_is_reported(tmap_kwargs):
@@ -101,8 +95,8 @@ def test_backward_error_names_element(tmap_kwargs, bad):
     ys = gradmap.tmap(f, range(8), **tmap_kwargs)
     with pytest.raises(Boom, match="backward failed") as info:
         torch.stack(ys).sum().backward()
-    assert f"element {bad} (of 8)" in _notes(info.value)
-    assert "backward" in _notes(info.value)
+    assert f"element {bad} (of 8)" in notes(info.value)
+    assert "backward" in notes(info.value)
 
 
 def test_pool_usable_after_errors(tmap_kwargs):
@@ -190,7 +184,7 @@ def test_iterable_raising_midway_runs_nothing():
     with pytest.raises(Boom) as info:
         gradmap.tmap(calls.append, items())
     assert calls == []
-    assert "element 2" in _notes(info.value)
+    assert "element 2" in notes(info.value)
 
 
 @pytest.mark.parametrize(

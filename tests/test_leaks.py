@@ -9,12 +9,9 @@ daemon thread, so that a hang fails it instead of blocking the run.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import gc
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +19,8 @@ import pytest
 import torch
 
 import gradmap
-from gradmap import _executors
+
+from support import assert_threads_back, deadline, settle_threads
 
 Tensor = torch.Tensor
 
@@ -31,33 +29,6 @@ TENSOR_SLACK = 4  # live tensors allowed above the baseline
 N_WITH_BACKWARD = 10_000
 N_WITHOUT_BACKWARD = 1_000
 N_ERRORS = 500
-
-
-def deadline(seconds: float) -> Callable[[Any], Any]:
-    """Run the test in a daemon thread and fail it if it is not done after ``seconds``."""
-
-    def decorate(fn: Any) -> Any:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            box: dict[str, BaseException] = {}
-
-            def body() -> None:
-                try:
-                    fn(*args, **kwargs)
-                except BaseException as exc:
-                    box["exc"] = exc
-
-            t = threading.Thread(target=body, name=f"deadline-{fn.__name__}", daemon=True)
-            t.start()
-            t.join(seconds)
-            if t.is_alive():
-                pytest.fail(f"hang: {fn.__name__} still running after {seconds} s")
-            if "exc" in box:
-                raise box["exc"]
-
-        return wrapper
-
-    return decorate
 
 
 def rss_mb() -> float:
@@ -75,37 +46,6 @@ def live_tensors() -> int:
 def live_map_graphs() -> int:
     gc.collect()
     return sum(1 for o in gc.get_objects() if type(o).__name__ == "_MapGraph")
-
-
-def _spawn_all(pool: concurrent.futures.ThreadPoolExecutor) -> None:
-    n = pool._max_workers  # type: ignore[attr-defined]
-    barrier = threading.Barrier(n + 1)
-    futures = [pool.submit(barrier.wait, 10) for _ in range(n)]
-    barrier.wait(10)
-    for fut in futures:
-        fut.result(10)
-
-
-def settle_threads(*pools: concurrent.futures.ThreadPoolExecutor) -> int:
-    """Start every thread gradmap's shared pool (for 2 workers) and ``pools`` may have."""
-    gradmap.tmap(lambda i: torch.ones(1) * i, range(4))
-    shared = _executors._shared_pool(_executors.available_cores())
-    for pool in (shared, *pools):
-        _spawn_all(pool)
-    stop = time.monotonic() + 10
-    while time.monotonic() < stop:
-        if sum(t.name.startswith("gradmap") for t in threading.enumerate()) <= shared._max_workers:  # type: ignore[attr-defined]
-            break
-        time.sleep(0.01)
-    return threading.active_count()
-
-
-def assert_threads_back(baseline: int) -> None:
-    stop = time.monotonic() + 5
-    while threading.active_count() != baseline and time.monotonic() < stop:
-        time.sleep(0.005)
-    names = sorted(t.name for t in threading.enumerate())
-    assert threading.active_count() == baseline, f"threads: {names}, baseline {baseline}"
 
 
 @contextmanager

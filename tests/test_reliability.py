@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import faulthandler
-import functools
 import json
 import signal
 import subprocess
@@ -19,7 +17,6 @@ import sys
 import textwrap
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,164 +28,21 @@ from hypothesis import strategies as st
 import gradmap
 from gradmap import _executors
 
+from support import (
+    EXECUTORS,
+    Boom,
+    assert_threads_back,
+    deadline,
+    executor_kwargs,
+    gradmap_notes,
+    settle_threads,
+)
+
 Tensor = torch.Tensor
 
-# -- hard deadlines -------------------------------------------------------------------------------
-
-
-def _stacks() -> str:
-    """Every thread's stack, for the message of a test that hung."""
-    frames = sys._current_frames()
-    out = []
-    for t in threading.enumerate():
-        frame = frames.get(t.ident or -1)
-        if frame is None:
-            continue
-        out.append(f"--- {t.name}\n" + "".join(traceback.format_stack(frame)[-6:]))
-    return "\n".join(out)
-
-
-class Hang(AssertionError):
-    """Raised in the main thread by the watchdog of a test that ran past its deadline."""
-
-
-def deadline(seconds: float, *, main_thread: bool = False) -> Callable[[Any], Any]:
-    """Fail the test if it runs longer than ``seconds``.
-
-    By default the body runs in a daemon thread that the test joins with a timeout: a hang leaves
-    that thread behind but the run goes on. With ``main_thread=True`` (for tests that need signals,
-    which Python delivers to the main thread only) the body runs in the main thread and a watchdog
-    thread sends it SIGUSR1, whose handler raises [`Hang`][], once a second until it returns;
-    ``faulthandler`` kills the process as a last resort.
-    """
-
-    def decorate(fn: Any) -> Any:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if main_thread:
-                return _in_main_thread(fn, seconds, args, kwargs)
-            return _in_daemon_thread(fn, seconds, args, kwargs)
-
-        return wrapper
-
-    return decorate
-
-
-def _in_daemon_thread(fn: Any, seconds: float, args: Any, kwargs: Any) -> Any:
-    box: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            box["result"] = fn(*args, **kwargs)
-        except BaseException as exc:
-            box["exc"] = exc
-
-    t = threading.Thread(target=body, name=f"deadline-{fn.__name__}", daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        pytest.fail(f"hang: {fn.__name__} still running after {seconds} s\n{_stacks()}")
-    if "exc" in box:
-        raise box["exc"]
-    return box.get("result")
-
-
-def _in_main_thread(fn: Any, seconds: float, args: Any, kwargs: Any) -> Any:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("needs the main thread (signals)")
-    done = threading.Event()
-    report: list[str] = []
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise Hang(f"hang: {fn.__name__} still running after {seconds} s\n{report[0]}")
-
-    def watchdog() -> None:
-        if done.wait(seconds):
-            return
-        report.append(_stacks())
-        while not done.is_set():
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # type: ignore[arg-type]
-            done.wait(1.0)
-
-    previous = signal.signal(signal.SIGUSR1, on_signal)
-    faulthandler.dump_traceback_later(seconds + 30, exit=True)
-    dog = threading.Thread(target=watchdog, name="deadline-watchdog", daemon=True)
-    dog.start()
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        done.set()
-        dog.join()
-        faulthandler.cancel_dump_traceback_later()
-        signal.signal(signal.SIGUSR1, previous)
-
-
-# -- threads --------------------------------------------------------------------------------------
+# -- helpers --------------------------------------------------------------------------------------
 
 MAX_WORKERS = 4  # the most workers any test here asks of the shared pool
-
-
-def _spawn_all(pool: concurrent.futures.ThreadPoolExecutor) -> None:
-    """Make ``pool`` start every thread it may ever have (threads start lazily, on demand)."""
-    n = pool._max_workers  # type: ignore[attr-defined]
-    barrier = threading.Barrier(n + 1)
-    futures = [pool.submit(barrier.wait, 10) for _ in range(n)]
-    barrier.wait(10)
-    for fut in futures:
-        fut.result(10)
-
-
-def settle_threads(*user_pools: concurrent.futures.ThreadPoolExecutor) -> int:
-    """Start all threads of gradmap's shared pool (grown to ``MAX_WORKERS``) and of the given user
-    pools, wait for replaced pools' threads to exit, and return the thread count: the baseline."""
-    gradmap.tmap(lambda i: torch.ones(1) * i, range(8), workers=MAX_WORKERS)
-    pool = _executors._shared_pool(MAX_WORKERS)  # the pool behind executor="threads"
-    _spawn_all(pool)
-    for p in user_pools:
-        _spawn_all(p)
-    stop = time.monotonic() + 10
-    while time.monotonic() < stop:
-        ours = [t for t in threading.enumerate() if t.name.startswith("gradmap")]
-        if len(ours) <= pool._max_workers:  # type: ignore[attr-defined]
-            break
-        time.sleep(0.01)
-    return threading.active_count()
-
-
-def assert_threads_back(baseline: int, timeout: float = 5.0) -> None:
-    """The thread count returns to ``baseline`` (helpers may still be leaving their context)."""
-    stop = time.monotonic() + timeout
-    while threading.active_count() != baseline and time.monotonic() < stop:
-        time.sleep(0.005)
-    names = sorted(t.name for t in threading.enumerate())
-    assert threading.active_count() == baseline, f"threads: {names}, baseline {baseline}"
-
-
-# -- executors ------------------------------------------------------------------------------------
-
-EXECUTOR_NAMES = ["serial", "threads", "threads-4", "user-pool"]
-
-
-@contextlib.contextmanager
-def executor_kwargs(name: str) -> Iterator[tuple[dict[str, Any], list[Any]]]:
-    """``tmap`` keyword arguments for one executor, and the user pools it made (to settle)."""
-    if name == "serial":
-        yield {"executor": "serial"}, []
-    elif name == "threads":
-        yield {"executor": "threads"}, []
-    elif name == "threads-4":
-        yield {"executor": None, "workers": 4}, []
-    else:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            yield {"executor": pool}, [pool]
-
-
-class Boom(ValueError):
-    pass
-
-
-def _notes(exc: BaseException) -> list[str]:
-    return [n for n in getattr(exc, "__notes__", []) if n.startswith("gradmap")]
 
 
 def _loop_grads(f: Callable[[int], Tensor], n: int, w: Tensor) -> Tensor:
@@ -215,12 +69,12 @@ N_FAULT = 13  # with chunksize 4: chunks [0..3] [4..7] [8..11] [12]; by default:
 
 @pytest.mark.parametrize("chunksize", [4, None])
 @pytest.mark.parametrize("mode", ["graph", "no_grad", "remat"])
-@pytest.mark.parametrize("name", EXECUTOR_NAMES)
+@pytest.mark.parametrize("name", EXECUTORS)
 @deadline(60)
 def test_forward_fault_at_every_element(name: str, mode: str, chunksize: int | None) -> None:
     w = torch.linspace(0.5, 1.5, 5, requires_grad=True)
     with executor_kwargs(name) as (kwargs, pools):
-        baseline = settle_threads(*pools)
+        baseline = settle_threads(*pools, workers=MAX_WORKERS)
         for bad in range(N_FAULT):
             ran: list[int] = []
 
@@ -236,7 +90,7 @@ def test_forward_fault_at_every_element(name: str, mode: str, chunksize: int | N
                     f, range(N_FAULT), chunksize=chunksize, remat=mode == "remat", **kwargs
                 )
             assert str(info.value) == f"element {bad} failed"
-            notes = _notes(info.value)
+            notes = gradmap_notes(info.value)
             assert len(notes) == 1, notes
             assert f"forward pass of element {bad} (of {N_FAULT})" in notes[0]
             if name == "serial":
@@ -267,7 +121,7 @@ class FailBackwardAt(torch.autograd.Function):
 def _backward_fault_run(name: str, chunksize: int | None, how: str) -> None:
     w = torch.linspace(0.5, 1.5, 5, requires_grad=True)
     with executor_kwargs(name) as (kwargs, pools):
-        baseline = settle_threads(*pools)
+        baseline = settle_threads(*pools, workers=MAX_WORKERS)
         for bad in range(N_FAULT):
 
             def f(i: int, bad: int = bad) -> Tensor:
@@ -284,7 +138,7 @@ def _backward_fault_run(name: str, chunksize: int | None, how: str) -> None:
                     loss.backward()
             assert str(info.value) == f"backward of element {bad} failed"
             assert w.grad is None  # nothing reached the parameter: no half-done backward
-            notes = _notes(info.value)
+            notes = gradmap_notes(info.value)
             assert len(notes) == 1, notes
             assert f"backward pass of element {bad} (of {N_FAULT})" in notes[0], notes
             assert_threads_back(baseline)
@@ -293,7 +147,7 @@ def _backward_fault_run(name: str, chunksize: int | None, how: str) -> None:
 
 
 @pytest.mark.parametrize("chunksize", [4, None])
-@pytest.mark.parametrize("name", EXECUTOR_NAMES)
+@pytest.mark.parametrize("name", EXECUTORS)
 @deadline(60)
 def test_backward_fault_at_every_element(name: str, chunksize: int | None) -> None:
     _backward_fault_run(name, chunksize, "stored")
@@ -321,11 +175,11 @@ def test_two_faults_the_lowest_element_is_reported(name: str) -> None:
         return torch.zeros(())
 
     with executor_kwargs(name) as (kwargs, pools):
-        settle_threads(*pools)
+        settle_threads(*pools, workers=MAX_WORKERS)
         kwargs.setdefault("workers", 2)
         with pytest.raises(Boom) as info:
             gradmap.tmap(f, range(N_FAULT), chunksize=4, **kwargs)
-    assert str(info.value) == "element 2 failed", _notes(info.value)
+    assert str(info.value) == "element 2 failed", gradmap_notes(info.value)
 
 
 @deadline(30)
@@ -342,7 +196,7 @@ def test_fault_in_a_nested_map_names_both_elements() -> None:
 
     with pytest.raises(Boom, match="inner failed") as info:
         gradmap.tmap(outer, range(6), workers=MAX_WORKERS, chunksize=1)
-    notes = _notes(info.value)
+    notes = gradmap_notes(info.value)
     assert len(notes) == 2, notes
     assert "element 3 (of 4)" in notes[0]  # the inner map of outer element 3 fails first
     assert "element 3 (of 6)" in notes[1]
@@ -374,7 +228,7 @@ N_LONG = 2000  # at ~5 ms an element, the full map would take seconds
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-@pytest.mark.parametrize("name", EXECUTOR_NAMES)
+@pytest.mark.parametrize("name", EXECUTORS)
 @deadline(60, main_thread=True)
 def test_keyboard_interrupt_in_caller_cancels_the_rest(name: str, phase: str) -> None:
     w = torch.ones(3, requires_grad=True)
@@ -393,7 +247,7 @@ def test_keyboard_interrupt_in_caller_cancels_the_rest(name: str, phase: str) ->
     previous = signal.signal(signal.SIGALRM, _raise_interrupt)
     try:
         with executor_kwargs(name) as (kwargs, pools):
-            baseline = settle_threads(*pools)
+            baseline = settle_threads(*pools, workers=MAX_WORKERS)
             ys = None
             if phase == "backward":
                 ys = gradmap.tmap(slow_backward, range(N_LONG), **kwargs)
@@ -618,7 +472,7 @@ def test_load_many_callers_mixed_executors_and_sizes() -> None:
             {"executor": shared},
             {"executor": shared, "workers": 2, "chunksize": 5},
         ]
-        baseline = settle_threads(shared)
+        baseline = settle_threads(shared, workers=MAX_WORKERS)
         start = threading.Barrier(LOAD_CALLERS)
         failures: list[str] = []
         calls = [0] * LOAD_CALLERS
@@ -814,7 +668,7 @@ def test_iterable_raising_midway_runs_nothing(position: int) -> None:
     with pytest.raises(Boom, match="cannot read") as info:
         gradmap.tmap(lambda x, y: calls.append(x), range(9), items())
     assert calls == []
-    assert any(f"element {position}" in n and "nothing ran" in n for n in _notes(info.value))
+    assert any(f"element {position}" in n and "nothing ran" in n for n in gradmap_notes(info.value))
 
 
 @deadline(30)
@@ -826,7 +680,7 @@ def test_zero_dim_tensor_iterable() -> None:
     assert calls == [] and source.read == 0
 
 
-@pytest.mark.parametrize("name", EXECUTOR_NAMES)
+@pytest.mark.parametrize("name", EXECUTORS)
 @deadline(30)
 def test_results_of_different_structure_per_element(name: str) -> None:
     """Results are per element: f may return a different pytree for each; gradients flow."""

@@ -1,0 +1,203 @@
+"""Helpers shared by the test modules: hard deadlines, thread accounting, executors, errors.
+
+Test modules import it as ``from support import ...``: ``tests/`` has no ``__init__.py``, so
+pytest (import mode ``prepend``) puts this folder on ``sys.path`` before it imports them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import faulthandler
+import functools
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import gradmap
+from gradmap import _executors
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class Boom(ValueError):
+    """The exception the tests' ``f`` raises on purpose."""
+
+
+def notes(exc: BaseException) -> str:
+    """All notes of ``exc``, one a line."""
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+def gradmap_notes(exc: BaseException) -> list[str]:
+    """The notes gradmap added to ``exc``."""
+    return [n for n in getattr(exc, "__notes__", []) if n.startswith("gradmap")]
+
+
+# -- hard deadlines -------------------------------------------------------------------------------
+
+
+def stacks() -> str:
+    """Every thread's stack, for the message of a test that hung."""
+    frames = sys._current_frames()
+    out = []
+    for t in threading.enumerate():
+        frame = frames.get(t.ident or -1)
+        if frame is None:
+            continue
+        out.append(f"--- {t.name}\n" + "".join(traceback.format_stack(frame)[-6:]))
+    return "\n".join(out)
+
+
+class Hang(AssertionError):
+    """Raised in the main thread by the watchdog of a test that ran past its deadline."""
+
+
+def deadline(seconds: float, *, main_thread: bool = False) -> Callable[[Any], Any]:
+    """Fail the test if it runs longer than ``seconds``.
+
+    By default the body runs in a daemon thread that the test joins with a timeout: a hang leaves
+    that thread behind but the run goes on. With ``main_thread=True`` (for tests that need signals,
+    which Python delivers to the main thread only) the body runs in the main thread and a watchdog
+    thread sends it SIGUSR1, whose handler raises [`Hang`][], once a second until it returns;
+    ``faulthandler`` kills the process as a last resort.
+    """
+
+    def decorate(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if main_thread:
+                return _in_main_thread(fn, seconds, args, kwargs)
+            return _in_daemon_thread(fn, seconds, args, kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def _in_daemon_thread(fn: Any, seconds: float, args: Any, kwargs: Any) -> Any:
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as exc:
+            box["exc"] = exc
+
+    t = threading.Thread(target=body, name=f"deadline-{fn.__name__}", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"hang: {fn.__name__} still running after {seconds} s\n{stacks()}")
+    if "exc" in box:
+        raise box["exc"]
+    return box.get("result")
+
+
+def _in_main_thread(fn: Any, seconds: float, args: Any, kwargs: Any) -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread (signals)")
+    done = threading.Event()
+    report: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise Hang(f"hang: {fn.__name__} still running after {seconds} s\n{report[0]}")
+
+    def watchdog() -> None:
+        if done.wait(seconds):
+            return
+        report.append(stacks())
+        while not done.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # type: ignore[arg-type]
+            done.wait(1.0)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    faulthandler.dump_traceback_later(seconds + 30, exit=True)
+    dog = threading.Thread(target=watchdog, name="deadline-watchdog", daemon=True)
+    dog.start()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        done.set()
+        dog.join()
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+# -- threads --------------------------------------------------------------------------------------
+
+
+def spawn_all(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    """Make ``pool`` start every thread it may ever have (threads start lazily, on demand)."""
+    n = pool._max_workers  # type: ignore[attr-defined]
+    barrier = threading.Barrier(n + 1)
+    futures = [pool.submit(barrier.wait, 10) for _ in range(n)]
+    barrier.wait(10)
+    for fut in futures:
+        fut.result(10)
+
+
+def settle_threads(
+    *user_pools: concurrent.futures.ThreadPoolExecutor, workers: int | None = None
+) -> int:
+    """Start all threads of gradmap's shared pool (grown to ``workers``, by default the cores
+    available) and of the given user pools, wait for replaced pools' threads to exit, and return
+    the thread count: the baseline."""
+    n = _executors.available_cores() if workers is None else workers
+    gradmap.tmap(lambda i: torch.ones(1) * i, range(2 * n), workers=workers)
+    pool = _executors._shared_pool(n)  # the pool behind executor="threads"
+    spawn_all(pool)
+    for p in user_pools:
+        spawn_all(p)
+    stop = time.monotonic() + 10
+    while time.monotonic() < stop:
+        ours = [t for t in threading.enumerate() if t.name.startswith("gradmap")]
+        if len(ours) <= pool._max_workers:  # type: ignore[attr-defined]
+            break
+        time.sleep(0.01)
+    return threading.active_count()
+
+
+def assert_threads_back(baseline: int, timeout: float = 5.0) -> None:
+    """The thread count returns to ``baseline`` (helpers may still be leaving their context)."""
+    stop = time.monotonic() + timeout
+    while threading.active_count() != baseline and time.monotonic() < stop:
+        time.sleep(0.005)
+    names = sorted(t.name for t in threading.enumerate())
+    assert threading.active_count() == baseline, f"threads: {names}, baseline {baseline}"
+
+
+# -- executors ------------------------------------------------------------------------------------
+
+EXECUTORS = ["serial", "threads", "threads-4", "user-pool"]
+
+# Chunk sizes that give small maps several chunks (the ``tmap_kwargs`` fixture's).
+SMALL_CHUNKS = {"serial": 2, "threads": 2, "threads-4": 1, "user-pool": 2}
+
+
+@contextlib.contextmanager
+def executor_kwargs(name: str) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+    """``tmap`` keyword arguments for one executor, and the user pools it made (to settle).
+
+    ``name`` is ``"serial"``, ``"threads"`` (the shared pool, default workers), ``"threads-N"``
+    (the shared pool with ``workers=N``) or ``"user-pool"`` (a ``ThreadPoolExecutor`` of 2
+    threads, shut down on exit).
+    """
+    if name == "serial":
+        yield {"executor": "serial"}, []
+    elif name == "threads":
+        yield {"executor": "threads"}, []
+    elif name.startswith("threads-"):
+        yield {"executor": None, "workers": int(name.removeprefix("threads-"))}, []
+    elif name == "user-pool":
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            yield {"executor": pool}, [pool]
+    else:
+        raise ValueError(f"unknown executor name {name!r}")
