@@ -223,95 +223,140 @@ def run_pipeline(
     consume: Callable[[int, T], object],
     *,
     context: ThreadContext = _no_context,
+    produce_context: ThreadContext = _no_context,
 ) -> list[object]:
-    """Produce chunk after chunk in the caller's thread; consume each on the executor's helpers
-    as soon as it is produced (a ``tsum``: forwards in one thread, pullbacks overlapping them).
+    """Produce chunk after chunk in one thread; consume each on other threads as soon as it is
+    produced (a ``tsum``: forwards in one thread, pullbacks overlapping them).
+
+    The producer is one of the executor's ``workers``: a pool thread with gradmap's own pool (the
+    caller waits), the caller's thread with an executor the caller helps (the serial one, a
+    user's pool) or in a call nested in a map. ``workers - 1`` helpers consume while it produces;
+    once it has produced every chunk it consumes what is left alongside them. With no helpers the
+    producer consumes each chunk right after producing it.
 
     Arguments:
-        executor: where consumers run; with no helpers (serial, or a nested call), the caller
-            consumes each chunk right after producing it.
+        executor: where the helpers (and the producer, if it is not the caller) run.
         count: the number of chunks.
         produce: ``produce(k, stopped)`` makes chunk ``k``; it should return early when
             ``stopped()`` says so.
         consume: ``consume(k, product)``; its result is chunk ``k``'s.
-        context: entered by each helper around its work.
+        context: entered by each consuming helper around its work.
+        produce_context: entered by the producer, when it is not the caller, around its work.
 
     Returns:
         The consumers' results, in chunk order.
 
     Raises:
-        The failure of the lowest chunk (producing or consuming), after every helper stopped.
+        The failure of the lowest chunk (producing or consuming), after every thread stopped.
     """
-    helpers = 0 if in_worker() else min(executor.workers, count)
-    if executor.caller_helps and helpers:
-        helpers -= 1  # a user's pool: keep one of its threads for the caller's share
+    nested = in_worker()
+    inline = nested or executor.caller_helps
+    helpers = 0 if nested else max(0, min(executor.workers - 1, count - 1))
     results: list[object] = [None] * count
     failures: dict[int, BaseException] = {}
     cond = threading.Condition()
-    pending: list[tuple[int, T] | None] = []
-    running = [helpers]
-    halted = [False]
+    pending: list[tuple[int, T]] = []
+    state = {"running": 0, "produced": False}
 
     def fail(k: int, exc: BaseException) -> None:
         with cond:
             failures.setdefault(k, exc)
-            halted[0] = True
             cond.notify_all()
 
-    def helper() -> None:
+    def take(block: bool) -> tuple[int, T] | None:
+        """The next product to consume; ``None`` when there is none left (or none now)."""
+        with cond:
+            while not pending:
+                if state["produced"] or not block:
+                    return None
+                cond.wait()
+            return pending.pop(0)
+
+    def consume_one(job: tuple[int, T]) -> None:
+        k, product = job
+        if failures and min(failures) < k:
+            return  # a lower chunk failed: its error is the one reported
+        try:
+            results[k] = consume(k, product)
+        except BaseException as exc:
+            fail(k, exc)
+
+    def done() -> None:
+        with cond:
+            state["running"] -= 1
+            cond.notify_all()
+
+    def consumer() -> None:
         try:
             with context(False):
-                while True:
-                    with cond:
-                        while not pending:
-                            cond.wait()
-                        job = pending.pop(0)
-                    if job is None:
-                        return
-                    k, product = job
-                    if halted[0] and failures and min(failures) < k:
-                        continue
-                    try:
-                        results[k] = consume(k, product)
-                    except BaseException as exc:
-                        fail(k, exc)
+                while (job := take(block=True)) is not None:
+                    consume_one(job)
         except BaseException as exc:
             fail(-1, exc)
         finally:
-            with cond:
-                running[0] -= 1
-                cond.notify_all()
+            done()
 
-    started = 0
-    try:
-        for _ in range(helpers):
-            executor.submit(helper)
-            started += 1
-        for k in range(count):
-            if halted[0]:
-                break
-            try:
-                product = produce(k, lambda: halted[0])
-            except BaseException as exc:
-                fail(k, exc)
-                break
-            if started:
-                with cond:
-                    pending.append((k, product))
-                    cond.notify()
-            else:
+    def drive() -> None:
+        try:
+            for k in range(count):
+                if failures:
+                    break
                 try:
-                    results[k] = consume(k, product)
+                    product = produce(k, lambda: bool(failures))
                 except BaseException as exc:
                     fail(k, exc)
                     break
+                if helpers:
+                    with cond:
+                        pending.append((k, product))
+                        cond.notify()
+                else:
+                    consume_one((k, product))
+        finally:
+            with cond:
+                state["produced"] = True
+                cond.notify_all()
+            while (job := take(block=False)) is not None:  # its share of what is left
+                consume_one(job)
+
+    def producer() -> None:
+        was = in_worker()
+        _worker.active = True  # a map nested in f runs inline here
+        try:
+            with produce_context(False):
+                drive()
+        except BaseException as exc:
+            fail(-1, exc)
+        finally:
+            _worker.active = was
+            done()
+
+    try:
+        for job in [consumer] * helpers + ([] if inline else [producer]):
+            with cond:
+                state["running"] += 1
+            try:
+                executor.submit(job)
+            except BaseException:
+                done()
+                raise
+        if inline:
+            drive()
+    except BaseException as exc:
+        fail(-1, exc)  # stop the others
+        with cond:
+            state["produced"] = True
+            cond.notify_all()
+        raise
     finally:
         with cond:
-            running[0] -= helpers - started  # helpers that never started
-            pending.extend([None] * started)
-            cond.notify_all()
-            while running[0] > 0:
-                cond.wait()
+            while state["running"] > 0:
+                try:
+                    cond.wait()
+                except BaseException as exc:  # an interrupt while waiting: stop, then wait
+                    failures.setdefault(-1, exc)
+                    state["produced"] = True
+                    cond.notify_all()
     if failures:
         severe = [k for k, e in failures.items() if not isinstance(e, Exception)]
         raise failures[min(severe) if severe else min(failures)]

@@ -9,9 +9,10 @@ NOTE [forward placement]:
     backward is different: the autograd engine runs in C++ without the GIL, so chunk pullbacks
     scale on threads either way.
 
-    So the forward of each map runs either in *one* thread (the caller's, chunk after chunk, with
-    one intra-op thread, so that results are bitwise the same as on the pool) or on *many* (the
-    pool), and the choice is measured per ``f``:
+    So the forward of each map runs either in *one* thread (one of gradmap's pool threads, chunk
+    after chunk, while the caller waits: it computes with one intra-op thread as every pool thread
+    does, so results are bitwise the same whichever placement ran) or on *many* (the pool), and
+    the choice is measured per ``f``:
     - a new ``f`` runs its first forward in one thread, whatever the executor: this learns
       whether ``f`` draws random numbers, and one that does keeps one thread for its forwards
       (NOTE [random numbers per element]);

@@ -20,7 +20,7 @@ from .._tree import Spec, flatten
 from ._graph import Boundary, Known, find_boundary, pulling_back, sequence_nr
 from ._random import MapRandom
 
-__all__ = ["ACCUMULATE", "ChunkRecord", "pull_back", "run_forward"]
+__all__ = ["ACCUMULATE", "DEFERRED", "ChunkRecord", "pull_back", "pull_back_sum", "run_forward"]
 
 Tensor = torch.Tensor
 
@@ -111,6 +111,8 @@ def run_forward(
 #: What ``pull_back`` returns for a chunk that can only be pulled back as a plain ``backward()``
 #: (NOTE [reentrant checkpoint] in ``_rule``).
 ACCUMULATE: Any = "gradmap.accumulate"
+#: What ``pull_back_sum`` returns for a chunk whose early pullback failed.
+DEFERRED: Any = "gradmap.deferred"
 _REENTRANT_CHECKPOINT = "use_reentrant=True, torch.utils.checkpoint is incompatible"
 
 
@@ -222,6 +224,44 @@ def pull_back(
             if result[k] is None:
                 result[k] = torch.zeros_like(t)
     return result
+
+
+def pull_back_sum(
+    record: ChunkRecord,
+    *,
+    n: int,
+    owner: object,
+    api: str = "gradmap.tmap",
+) -> list[Tensor | None] | None:
+    """The gradients of the sum of a chunk whose outputs are 0-d (its losses), with cotangent
+    one, through the stored graph, which it frees: one root (the stacked sum) instead of one per
+    element, which costs the engine less and holds the GIL for less Python.
+
+    Returns:
+        The gradients; or ``DEFERRED`` if the pullback failed: the graph is dropped, and the
+        backward recomputes the chunk, raising there (as the loop would) with a note naming the
+        element; or ``ACCUMULATE`` (NOTE [reentrant checkpoint]).
+    """
+    outs = record.outputs
+    if len(outs) > 1 and len({(t.dtype, t.device) for t in outs}) == 1:
+        with torch.enable_grad():
+            roots = [torch.stack(outs).sum()]
+    else:
+        roots = outs
+    try:
+        return _grad(
+            roots,
+            record.boundary.inputs,
+            [torch.ones_like(t) for t in roots],
+            create_graph=False,
+            owner=owner,
+            retain=bool(record.boundary.nodes),
+        )
+    except Exception as exc:
+        record.drop_graph()  # partly freed
+        if isinstance(exc, RuntimeError) and _REENTRANT_CHECKPOINT in str(exc):
+            return ACCUMULATE  # type: ignore[no-any-return]
+        return DEFERRED  # type: ignore[no-any-return]
 
 
 def _grad(

@@ -17,15 +17,18 @@ NOTE [the boundary of a chunk]:
     counter that only grows). A chunk's forward runs in one thread; the counter before and after
     it brackets every node the chunk created. A node with a number outside that range was not
     created by this chunk. Inside the range, a node could still be another thread's (the counters
-    are per thread), so every tensor the map can see was made before the call -- the items, and
-    the non-leaf tensors reachable from ``f`` (closure cells, defaults, bound ``self``, the globals
-    its code names, ``functools.partial`` arguments, one level of containers and attributes) --
-    marks its node as outside whatever its number. What remains is a node another thread made,
-    numbered inside this chunk's range and reachable from ``f`` by no reference gradmap follows; it
-    would be walked through as inner. The gradient to every leaf stays right even then (the walk
-    just goes further up); only a request for that very tensor's gradient (``autograd.grad`` with
-    it as input, a hook on it) would miss the map's part. Cost: one counter read per chunk and the
-    walk, 1-3 us per node in Python, measured per workload in the README.
+    are per thread; the caller's nodes are the likely ones when chunks run on the pool), so every
+    tensor the map can see that was made before the call -- the items, and the non-leaf tensors
+    reachable from ``f`` (closure cells, defaults, bound ``self``, the globals its code names,
+    ``functools.partial`` arguments, a few levels of containers and attributes) -- marks its node
+    as outside whatever its number (``Known``; for the serial executor, whose chunks run in the
+    caller's thread after all of its earlier nodes, only when an edge needs its tensor). What
+    remains is a node another thread made, numbered inside this chunk's range and reachable from
+    ``f`` by no reference gradmap follows; it would be walked through as inner. The gradient to
+    every leaf stays right even then (the walk just goes further up); only a request for that
+    very tensor's gradient (``autograd.grad`` with it as input, a hook on it) would miss the
+    map's part. Cost: one counter read per chunk and the walk, about 1 us per node in Python,
+    measured per workload in the README.
 
 NOTE [nothing past the boundary]:
     ``autograd.grad`` stops at its inputs only where nothing behind them is needed: if a chunk
@@ -231,12 +234,12 @@ def find_boundary(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> 
         if not (lo <= node._sequence_nr() < hi) or outside(node):
             if (key, nr) in edges:
                 continue
-            t = known.tensor_for(node, nr)
-            if t is not None:
+            found = known.tensor_for(node, nr)
+            if found is not None:
                 edges.add((key, nr))
                 kept.append(node)
                 keys.append(("edge", key, nr))
-                tensors.append(t)
+                tensors.append(found)
                 inputs.append(GradientEdge(node, nr))
                 nodes.append(node)
                 continue
@@ -314,7 +317,11 @@ def reachable_from(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[Tensor]:
     found: list[Tensor] = []
     for args in elements:
         for arg in args:
-            _collect(arg, found, set(), 0, items=True)
+            if isinstance(arg, Tensor):  # the common item, without the generic walk
+                if arg.grad_fn is not None:
+                    found.append(arg)
+            elif not isinstance(arg, _SKIP):
+                _collect(arg, found, set(), 0, items=True)
     _collect(f, found, set(), 0)
     return found
 

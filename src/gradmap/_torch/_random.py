@@ -32,6 +32,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from .._engine import in_worker
+
 __all__ = ["MapRandom"]
 
 _LOCK = threading.RLock()
@@ -78,7 +80,7 @@ class MapRandom:
         """Around a forward in one thread: this map owns the global generator (a lock keeps
         other maps' seeding out), draws its base on first use, and leaves the generator as that
         one draw left it."""
-        with _LOCK:
+        with nullcontext() if in_worker() else _LOCK:  # nested: the outer map holds it
             gen = torch.default_generator
             if self._after is None:
                 self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())

@@ -34,19 +34,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .._engine import ChunkRun, run_chunks, run_pipeline
-from .._executors import Executor, SerialExecutor
+from .._executors import Executor, SerialExecutor, ThreadExecutor
 from .._join import JoinLayout, sum_in_chunk_order
 from .._placement import Placement, placement_for
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._tree import flatten, unflatten
-from ._chunk import ACCUMULATE, ChunkRecord, pull_back, run_forward
+from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
 from ._graph import (
     BlockHooks,
     Known,
@@ -57,13 +57,13 @@ from ._graph import (
     transforms_active,
 )
 from ._random import MapRandom
-from ._state import ThreadState, caller_intra_op_threads
+from ._state import ThreadState
 
 __all__ = ["map_torch", "sum_results", "sum_torch"]
 
 Tensor = torch.Tensor
 
-_ONE_THREAD = SerialExecutor()
+_CALLER = SerialExecutor()
 
 
 class MapCall:
@@ -155,13 +155,23 @@ class MapCall:
                 lambda: self.run_pass("forward", forward_chunk, context=measured)
             )
         else:
-            # The serial reference runs as the caller's loop would; any other executor's forward
-            # in one thread computes as its pool threads do (NOTE [forward placement]).
-            reference = isinstance(self.executor, SerialExecutor)
-            with self.random.seeding(), nullcontext() if reference else caller_intra_op_threads():
-                records = self.run_pass("forward", forward_chunk, executor=_ONE_THREAD)
+            with self.random.seeding():
+                records = self.run_pass("forward", forward_chunk, executor=self.one_thread())
         placement.learned_random(self.random.drew)
         return records
+
+    @property
+    def off_caller(self) -> bool:
+        """Whether chunk forwards may run on other threads than the caller's."""
+        return not isinstance(self.executor, SerialExecutor)
+
+    def one_thread(self) -> Executor:
+        """Where a forward in one thread runs: the caller's thread for the serial reference (as
+        its loop would) and for a user's executor, else one of gradmap's pool threads, which
+        compute as the pool's other threads do (one intra-op thread: NOTE [forward placement])."""
+        if isinstance(self.executor, ThreadExecutor):
+            return ThreadExecutor(1)
+        return _CALLER
 
     def recompute(self, indices: list[int], seeded: bool = False) -> ChunkRecord:
         """A fresh forward of some elements, with a graph (in a backward pass's thread); with
@@ -224,7 +234,7 @@ def map_torch(
     )
     with_graph = torch.is_grad_enabled() and not call.state.inference
     if with_graph:
-        call.known = Known(f, elements, eager=call.placement.many)
+        call.known = Known(f, elements, eager=call.off_caller)
     records = call.forward(with_graph)
     if not with_graph:
         return [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
@@ -411,7 +421,7 @@ def sum_torch(
         records = call.forward(False)
         results = [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
         return sum_results(results, [len(r.elements) for r in records])
-    call.known = Known(f, elements, eager=call.placement.many)
+    call.known = Known(f, elements, eager=call.off_caller)
     return _sum_join(call, _forward_pulled_back(call))
 
 
@@ -444,17 +454,8 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
             if call.remat:
                 record.drop_graph()
             return record, None
-        ones = [torch.ones_like(t) for t in record.outputs]
-        grads = pull_back(
-            record,
-            ones,
-            n=call.n,
-            owner=call.owner,
-            free_graph=True,
-            rerun=call.recompute,
-            api=call.api,
-        )
-        if grads is ACCUMULATE:  # NOTE [reentrant checkpoint]: pulled back in the backward
+        grads = pull_back_sum(record, n=call.n, owner=call.owner, api=call.api)
+        if grads is ACCUMULATE or grads is DEFERRED:  # pulled back (recomputed) in the backward
             return record, None
         record.drop_graph()
         return record, grads
@@ -471,7 +472,6 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
 
         out = placement.timed(lambda: call.run_pass("forward", both, context=measured))
     else:
-        reference = isinstance(call.executor, SerialExecutor)
         bar = open_progress(call.progress, "forward", plan.n)
         backward_state = ThreadState(grad_enabled=False)
 
@@ -482,9 +482,14 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
             return record
 
         try:
-            with call.random.seeding(), nullcontext() if reference else caller_intra_op_threads():
+            with call.random.seeding():
                 out = run_pipeline(
-                    call.executor, plan.count, produce, early, context=backward_state.enter
+                    call.executor,
+                    plan.count,
+                    produce,
+                    early,
+                    context=backward_state.enter,
+                    produce_context=call.state.enter,
                 )
         finally:
             if bar is not None:

@@ -93,19 +93,3 @@ def _set_own_intra_op_threads(n: int, inherited: int) -> None:
     restorer = threading.Thread(target=torch.set_num_threads, args=(inherited,), daemon=True)
     restorer.start()
     restorer.join()
-
-
-@contextmanager
-def caller_intra_op_threads() -> Iterator[None]:
-    """One intra-op thread in the caller's thread while it runs a forward pass in one thread
-    (NOTE [forward placement]): the same arithmetic as on the pool, so results do not depend on
-    where the forward ran. The caller's setting is restored after."""
-    threads = torch.get_num_threads()
-    if threads == INTRA_OP_THREADS:
-        yield
-        return
-    _set_own_intra_op_threads(INTRA_OP_THREADS, threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

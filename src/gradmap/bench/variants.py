@@ -6,6 +6,8 @@ each variant's gradient can be checked against the plain loop's.
 - ``loop1``: ``[f(x) for x in items]`` with ``torch.set_num_threads(1)``.
 - ``loop``: the same loop with torch's default intra-op threads.
 - ``tmap``: ``gradmap.tmap(f, items)`` on the shared thread pool.
+- ``tsum``: ``gradmap.tsum(f, items)``: the sum of the losses, each chunk pulled back as soon as its
+  forward ends.
 - ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads).
 - ``remat``: ``gradmap.tmap(f, items, remat=True)``: no graph kept; the backward recomputes.
 - ``vmap``: ``torch.func.vmap`` over a padded and masked batch (bags only).
@@ -26,7 +28,7 @@ from gradmap.bench.workloads import Workload
 
 __all__ = ["BASELINES", "VARIANT_NAMES", "Variant", "build_variants", "loop_loss"]
 
-VARIANT_NAMES = ("loop1", "loop", "tmap", "serial", "remat", "vmap")
+VARIANT_NAMES = ("loop1", "loop", "tmap", "tsum", "serial", "remat", "vmap")
 """Variants selectable with ``--variants``, in the order they are run."""
 
 BASELINES = ("loop1", "loop")
@@ -106,6 +108,16 @@ def _tmap_loss(
     return total_loss
 
 
+def _tsum_loss(executor: str | None, workers: int | None) -> TotalLoss:
+    """Build a total-loss function summing ``f`` with ``tsum`` on the given executor."""
+    from gradmap import tsum
+
+    def total_loss(workload: Workload[Any]) -> Tensor:
+        return tsum(workload.f, workload.items, executor=executor, workers=workers)  # type: ignore[no-any-return]
+
+    return total_loss
+
+
 def build_variants(
     names: Sequence[str],
     workers: int | None = None,
@@ -145,6 +157,8 @@ def build_variants(
         elif name == "tmap":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, executor, workers), workers=workers))
+        elif name == "tsum":
+            variants.append(Variant(name, _tsum_loss(executor, workers), workers=workers))
         elif name == "serial":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))

@@ -9,6 +9,7 @@ examples of what ``gradmap.tmap(workload.f, workload.items)`` is for:
 - ``small_bags`` (fine): bags of 1-8 instances through a tiny MLP; Python overhead dominates.
 - ``tree``: a recursive network over random binary trees (Python control flow, no vmap).
 - ``ode``: fixed-step RK4 of a neural ODE with a per-sample number of steps.
+- ``gru``: one recurrent layer per sequence: a few large ops per element (GIL-free forward).
 - ``overhead``: ``x * 2`` on 0-d tensors; measures the per-element cost of the map itself.
 
 Bags also have ``batched_loss(items)``: the same total loss computed with ``torch.func.vmap`` over a
@@ -32,6 +33,7 @@ __all__ = [
     "ODESample",
     "Overhead",
     "RaggedBags",
+    "Sequences",
     "SmallBags",
     "Tree",
     "TreeNet",
@@ -428,6 +430,39 @@ class NeuralODE(Workload[ODESample]):
 
 
 # --------------------------------------------------------------------------------------------
+# Large ops per element
+
+
+class Sequences(Workload[Tensor]):
+    """Sequences of 20-120 steps of width 32 through one GRU layer (hidden 128); loss: the mean of
+    the last hidden state squared. Each element is a few large ops that release the GIL."""
+
+    name = "gru"
+    summary = "one GRU layer (32 -> 128) per sequence of 20-120 steps: large ops per element"
+    default_n = 64
+    quick_n = 8
+    dim = 32
+    hidden = 128
+
+    def __init__(self, model: nn.GRU, items: list[Tensor]) -> None:
+        self.model = model
+        self.items = items
+
+    @classmethod
+    def make(cls, seed: int, n: int) -> Sequences:
+        gen = torch.Generator().manual_seed(seed)
+        items = [torch.randn(randint(20, 120, gen), cls.dim, generator=gen) for _ in range(n)]
+        return cls(seeded_module(seed, lambda: nn.GRU(cls.dim, cls.hidden)), items)
+
+    def f(self, item: Tensor) -> Tensor:
+        _, last = self.model(item)
+        return last.pow(2).mean()
+
+    def params(self) -> list[Tensor]:
+        return list(self.model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
 # Overhead of the map itself
 
 
@@ -459,7 +494,7 @@ class Overhead(Workload[Tensor]):
 
 
 WORKLOADS: dict[str, type[Workload[Any]]] = {
-    w.name: w for w in (RaggedBags, SmallBags, Tree, NeuralODE, Overhead)
+    w.name: w for w in (RaggedBags, SmallBags, Tree, NeuralODE, Sequences, Overhead)
 }
 """All workloads by name, in the order the bench runs them."""
 
