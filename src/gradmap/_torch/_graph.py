@@ -47,7 +47,6 @@ import functools
 import gc
 import threading
 import types
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -184,11 +183,10 @@ class Known:
             return t
         with self._lock:  # last resort, once per map: every tensor the collector tracks
             if not self._scanned_gc:
-                with warnings.catch_warnings():  # isinstance on deprecated module attributes
-                    warnings.simplefilter("ignore")
-                    for obj in gc.get_objects():
-                        if isinstance(obj, Tensor) and obj.grad_fn is not None:
-                            self.add(obj)
+                # By type, not isinstance: that would ask dead weak proxies for their class.
+                for obj in gc.get_objects():
+                    if issubclass(type(obj), Tensor) and obj.grad_fn is not None:
+                        self.add(obj)
                 self._scanned_gc = True
         return self._edges.get((id(node), nr))
 
