@@ -10,7 +10,6 @@ at all for a chunk whose cotangents are all missing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -25,15 +24,48 @@ __all__ = ["ACCUMULATE", "DEFERRED", "ChunkRecord", "pull_back", "pull_back_sum"
 Tensor = torch.Tensor
 
 
-@dataclass(slots=True)
-class ElementResult:
-    """One element's result: its leaves, and which of them are differentiable outputs."""
+_NONE: tuple[int, ...] = ()
+_FIRST: tuple[int, ...] = (0,)
 
-    index: int
-    leaves: list[Any]
-    spec: Spec
-    diff: list[int]  # positions in ``leaves`` of the chunk outputs
-    outputs: tuple[int, int]  # their range in the chunk's ``outputs``
+
+class ElementResult:
+    """One element's result: its leaves, and which of them are differentiable outputs.
+
+    A bare tensor (most results) is kept as it is, without a list of one leaf: a map allocates
+    as few tracked objects per element as it can, since each one brings the cyclic garbage
+    collector's next pass closer (measured: ~10 us per element on ``f(x) = x * 2``).
+    """
+
+    __slots__ = ("_leaves", "_tree", "diff", "hi", "index", "lo", "spec")
+
+    def __init__(
+        self,
+        index: int,
+        tree: Any,
+        leaves: list[Any] | None,
+        spec: Spec,
+        diff: Sequence[int],
+        lo: int,
+        hi: int,
+    ) -> None:
+        self.index = index
+        self._tree = tree  # the result itself when it is a bare tensor
+        self._leaves = leaves  # its leaves otherwise
+        self.spec = spec
+        self.diff = diff  # positions in ``leaves`` of the chunk outputs
+        self.lo, self.hi = lo, hi  # their range in the chunk's ``outputs``
+
+    @property
+    def leaves(self) -> list[Any]:
+        return [self._tree] if self._leaves is None else self._leaves
+
+    @leaves.setter
+    def leaves(self, leaves: list[Any]) -> None:
+        self._tree, self._leaves = None, leaves
+
+    @property
+    def outputs(self) -> tuple[int, int]:
+        return self.lo, self.hi
 
 
 class ChunkRecord:
@@ -92,14 +124,21 @@ def run_forward(
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward", api))
             raise
-        leaves, spec = flatten(y)
         start = len(outputs)
+        if isinstance(y, Tensor):  # the common case, without a list per element
+            if y.requires_grad:
+                outputs.append(y)
+                record.elements.append(ElementResult(i, y, None, None, _FIRST, start, start + 1))
+            else:
+                record.elements.append(ElementResult(i, y, None, None, _NONE, start, start))
+            continue
+        leaves, spec = flatten(y)
         diff = []
         for j, leaf in enumerate(leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
                 outputs.append(leaf)
                 diff.append(j)
-        record.elements.append(ElementResult(i, leaves, spec, diff, (start, len(outputs))))
+        record.elements.append(ElementResult(i, None, leaves, spec, diff, start, len(outputs)))
     if random is not None and last is not None:
         random.check_chunk(last)
     if known is not None and outputs:
