@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -280,9 +280,38 @@ class _MapGraph:
         self.records: list[ChunkRecord] | None = records
         self.layout = layout
         self.outputs = [t for r in records for t in r.outputs]
-        self.owner = call.owner
-        hooks = BlockHooks((node for r in records for node in r.boundary.nodes), self.owner)
+        hooks = BlockHooks((node for r in records for node in r.boundary.nodes), call.owner)
         weakref.finalize(self, hooks.remove)
+
+    def backward(
+        self,
+        backward_chunk: Callable[[int, ChunkRun[Any]], Any],
+        chunk_cotangents: Callable[[int], Sequence[Tensor | None]],
+        *,
+        create_graph: bool,
+        recomputes: bool,
+    ) -> tuple[Tensor | None, ...]:
+        """The join's backward: every chunk's pullback on the executor, the chunks that need a
+        plain ``backward()`` after them (NOTE [reentrant checkpoint]), the chunk-order sum."""
+        call, layout, records = self.call, self.layout, self.records
+        assert records is not None
+        state = ThreadState(grad_enabled=create_graph)
+        with hooks_quiet(layout.inputs), call.buffers_kept() if recomputes else nullcontext():
+            per_chunk = call.run_pass(
+                "backward",
+                backward_chunk,
+                reverse=call.executor.reverse_backward,
+                context=state.enter,
+            )
+        for k, grads_k in enumerate(per_chunk):
+            if grads_k is ACCUMULATE:
+                _accumulate(call, records[k], chunk_cotangents(k))
+                per_chunk[k] = None  # the plain backward passed everything on
+        grads = sum_in_chunk_order(layout, per_chunk, torch.add)
+        if not keep_graph():
+            self.records = None
+            call.free()
+        return (None, *grads)
 
 
 class _Join(torch.autograd.Function):
@@ -305,10 +334,9 @@ class _Join(torch.autograd.Function):
         free_graph = not keep_graph()
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
-            lo, hi = layout.output_bounds[k]
             return pull_back(
                 records[k],
-                cotangents[lo:hi],
+                chunk_cotangents(k),
                 n=call.n,
                 owner=call.owner,
                 recompute=fresh,
@@ -318,24 +346,16 @@ class _Join(torch.autograd.Function):
                 api=call.api,
             )
 
-        state = ThreadState(grad_enabled=create_graph)
-        with hooks_quiet(layout.inputs), call.buffers_kept() if fresh is not None else _nothing():
-            per_chunk = call.run_pass(
-                "backward",
-                backward_chunk,
-                reverse=call.executor.reverse_backward,
-                context=state.enter,
-            )
-        for k, grads_k in enumerate(per_chunk):
-            if grads_k is ACCUMULATE:
-                lo, hi = layout.output_bounds[k]
-                _accumulate(call, records[k], cotangents[lo:hi])
-                per_chunk[k] = None  # the plain backward passed everything on
-        grads = sum_in_chunk_order(layout, per_chunk, torch.add)
-        if not keep_graph():
-            graph.records = None
-            call.free()
-        return (None, *grads)
+        def chunk_cotangents(k: int) -> Sequence[Tensor | None]:
+            lo, hi = layout.output_bounds[k]
+            return cotangents[lo:hi]
+
+        return graph.backward(
+            backward_chunk,
+            chunk_cotangents,
+            create_graph=create_graph,
+            recomputes=fresh is not None,
+        )
 
 
 def _accumulate(call: MapCall, record: ChunkRecord, cotangents: Sequence[Tensor | None]) -> None:
@@ -372,11 +392,6 @@ def _accumulate(call: MapCall, record: ChunkRecord, cotangents: Sequence[Tensor 
                 outs.append(source.outputs[o_src])
                 grads.append(g)
     torch.autograd.backward(outs, grads, retain_graph=True)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 # -- tsum ---------------------------------------------------------------------------------------
@@ -597,56 +612,36 @@ class _SumJoin(torch.autograd.Function):
     def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
         graph: _SumGraph = ctx.graph
-        call, layout, records = graph.call, graph.layout, graph.records
+        call, records = graph.call, graph.records
         assert records is not None
         create_graph = torch.is_grad_enabled()
-        fresh = call.recompute if (create_graph or call.remat) else None
+
+        def chunk_cotangents(k: int) -> list[Tensor | None]:
+            # The sum's cotangent for each element's leaves (every element has the same leaves).
+            return [c for _ in records[k].elements for c in cotangents]
+
+        def recomputed(k: int) -> bool:
+            # Early chunks' graphs are gone; others are kept unless remat dropped them.
+            return create_graph or graph.early[k] is not None or not records[k].stored
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
-            record, early = records[k], graph.early[k]
+            early = graph.early[k]
             if early is not None and not create_graph:
                 c = cotangents[0]
                 return None if c is None else [None if g is None else g * c for g in early]
-            # The sum's cotangent for each element's leaf (every element has the same leaves).
-            cots: list[Tensor | None] = []
-            for _ in record.elements:
-                cots.extend(cotangents)
-            if early is not None or not record.stored:
-                return pull_back(
-                    record,
-                    cots,
-                    n=call.n,
-                    owner=call.owner,
-                    recompute=call.recompute,
-                    create_graph=create_graph,
-                    api=call.api,
-                )
             return pull_back(
-                record,
-                cots,
+                records[k],
+                chunk_cotangents(k),
                 n=call.n,
                 owner=call.owner,
-                recompute=fresh,
+                recompute=call.recompute if recomputed(k) else None,
                 create_graph=create_graph,
                 api=call.api,
             )
 
-        state = ThreadState(grad_enabled=create_graph)
-        needs_recompute = fresh is not None or any(g is not None for g in graph.early)
-        with hooks_quiet(layout.inputs), call.buffers_kept() if needs_recompute else _nothing():
-            per_chunk = call.run_pass(
-                "backward",
-                backward_chunk,
-                reverse=call.executor.reverse_backward,
-                context=state.enter,
-            )
-        for k, grads_k in enumerate(per_chunk):
-            if grads_k is ACCUMULATE:
-                cots = [c for _ in records[k].elements for c in cotangents]
-                _accumulate(call, records[k], cots)
-                per_chunk[k] = None
-        grads = sum_in_chunk_order(layout, per_chunk, torch.add)
-        if not keep_graph():
-            graph.records = None
-            call.free()
-        return (None, *grads)
+        return graph.backward(
+            backward_chunk,
+            chunk_cotangents,
+            create_graph=create_graph,
+            recomputes=create_graph or any(not r.stored for r in records),
+        )
