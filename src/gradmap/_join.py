@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["JoinLayout", "sum_in_chunk_order"]
+__all__ = ["JoinLayout", "sum_by_position", "sum_in_chunk_order"]
 
 T = TypeVar("T")
 G = TypeVar("G")
@@ -80,11 +80,22 @@ def sum_in_chunk_order(
     Returns:
         One gradient per join input, ``None`` where no chunk sent one.
     """
-    total: list[G | None] = [None] * len(layout.inputs)
-    for positions, grads in zip(layout.positions, per_chunk):
+    return sum_by_position(len(layout.inputs), layout.positions, per_chunk, add)
+
+
+def sum_by_position(
+    width: int,
+    positions: Sequence[Sequence[int]],
+    per_chunk: Sequence[Sequence[G | None] | None],
+    add: Callable[[G, G], G],
+) -> list[G | None]:
+    """[`sum_in_chunk_order`][] given each chunk's positions among ``width`` inputs directly
+    (a host that learns them from its workers, as Ray's driver does)."""
+    total: list[G | None] = [None] * width
+    for where, grads in zip(positions, per_chunk):
         if grads is None:
             continue
-        for p, g in zip(positions, grads):
+        for p, g in zip(where, grads):
             if g is not None:
                 current = total[p]
                 total[p] = g if current is None else add(current, g)

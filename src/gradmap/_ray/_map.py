@@ -51,6 +51,7 @@ import torch
 
 from .._errors import add_note
 from .._executors import Executor, SerialExecutor
+from .._join import sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._torch._graph import transforms_active as _transforms_active
@@ -215,14 +216,17 @@ class _Call:
         finally:
             if bar is not None:
                 bar.close()
-        totals: dict[int, Tensor] = {}
-        for k in sorted(per_chunk):  # chunk order: the same sum for any assignment
-            for pid, g in per_chunk[k]:
-                total = totals.get(pid)
-                totals[pid] = g if total is None else total + g
+        index = {pid: p for p, pid in enumerate(self.inputs)}
+        chunks = sorted(per_chunk)  # chunk order: the same sum for any assignment of chunks
+        totals = sum_by_position(
+            len(self.inputs),
+            [[index[pid] for pid, _ in per_chunk[k]] for k in chunks],
+            [[g for _, g in per_chunk[k]] for k in chunks],
+            torch.add,
+        )
         if not keep_graph:
             self.release()
-        return [totals.get(pid) for pid in self.inputs]
+        return totals
 
 
 class _Join(torch.autograd.Function):
