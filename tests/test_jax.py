@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import subprocess
 import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,23 +20,14 @@ from jax.test_util import check_grads  # noqa: E402
 import gradmap.jax as gmj  # noqa: E402
 from gradmap._jax import _compiled  # noqa: E402
 
-EXECUTORS = ["serial", "threads", "threads-4", "user-pool"]
+from support import Boom, notes  # noqa: E402
 
 
-@pytest.fixture(params=EXECUTORS)
-def kw(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """Keyword arguments for ``gmj.tmap`` selecting an executor (small chunks, so that small
-    maps still have several)."""
-    name = request.param
-    if name == "serial":
-        yield {"executor": "serial", "chunksize": 2}
-    elif name == "threads":
-        yield {"executor": "threads", "chunksize": 2}
-    elif name == "threads-4":
-        yield {"executor": None, "workers": 4, "chunksize": 1}
-    else:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            yield {"executor": pool, "chunksize": 2}
+@pytest.fixture
+def kw(tmap_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for ``gmj.tmap`` selecting an executor: conftest.py's ``tmap_kwargs``
+    (every executor, small chunks, so that small maps still have several)."""
+    return tmap_kwargs
 
 
 def loop(f: Any, *iterables: Any, **_: Any) -> list[Any]:
@@ -432,14 +421,6 @@ def test_vmap_jvp_and_linearize():
 # Errors name the element
 
 
-class Boom(ValueError):
-    pass
-
-
-def _notes(exc: BaseException) -> str:
-    return "\n".join(getattr(exc, "__notes__", []))
-
-
 @pytest.mark.parametrize("bad", [0, 5])
 def test_forward_error_names_the_element(kw, bad):
     def f(i: int) -> jax.Array:
@@ -449,7 +430,7 @@ def test_forward_error_names_the_element(kw, bad):
 
     with pytest.raises(Boom, match=f"bad element {bad}") as info:
         gmj.tmap(f, range(8), **kw)
-    assert f"element {bad} (of 8)" in _notes(info.value)
+    assert f"element {bad} (of 8)" in notes(info.value)
     assert "f" in [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
 
 
@@ -468,7 +449,7 @@ def test_forward_error_under_transformations(kw, where):
     run = jax.grad(total) if where == "grad" else jax.jit(total)
     with pytest.raises(Boom) as info:
         run(w)
-    assert "forward pass of element 3 (of 6)" in _notes(info.value)
+    assert "forward pass of element 3 (of 6)" in notes(info.value)
 
 
 @jax.custom_vjp
@@ -500,7 +481,7 @@ def test_backward_error_names_the_element(kw, jit):
     w = params()["w"]
     with pytest.raises(Boom, match="3 rows") as info:
         jax.grad(lambda w, xs: sum(gmj.tmap(lambda x: f(w, x), xs, **kw)), argnums=1)(w, xs)
-    assert "backward pass of element 2 (of 6)" in _notes(info.value)
+    assert "backward pass of element 2 (of 6)" in notes(info.value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,3 +515,297 @@ def test_bench_runs_and_checks_gradients():
         assert results[name]["max_rel_grad_diff"] < 1e-4
         assert len(results[name]["times_s"]) == 1
     assert "vs loop" in jax_bags.format_results(results, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# tsum: the sum of f, each element one compiled step under differentiation
+
+
+def loop_sum(f: Any, *iterables: Any, **_: Any) -> Any:
+    """The plain loop ``tsum`` replaces: f's results added leaf by leaf, in element order."""
+    results = list(map(f, *iterables))
+    total = results[0]
+    for r in results[1:]:
+        total = jax.tree_util.tree_map(lambda a, b: a + b, total, r)
+    return total
+
+
+@pytest.mark.parametrize("chunksize", [1, 3, None])
+def test_tsum_equals_the_loop_eagerly(kw, chunksize):
+    kw = {**kw, "chunksize": chunksize}
+    xs = bags()
+
+    def f(x: jax.Array) -> Any:
+        return {"s": x.sum(axis=0), "n": x.shape[0], "m": jnp.max(x)}
+
+    assert_trees_close(gmj.tsum(f, xs, **kw), loop_sum(f, xs))
+    assert gmj.tsum(lambda x: x, [], **kw) == 0  # as the builtin sum
+
+
+@pytest.mark.parametrize("chunksize", [1, 3, None])
+@pytest.mark.parametrize("f", [bag_loss, bag_loss_jit], ids=["general", "jitted"])
+def test_tsum_value_and_grad_equal_the_loop(kw, f, chunksize):
+    kw = {**kw, "chunksize": chunksize}
+    p, xs = params(), bags()
+
+    def total(p: Any, xs: Any, ts: Any) -> jax.Array:
+        return ts(lambda x: f(p, x), xs, **(kw if ts is gmj.tsum else {}))
+
+    got = jax.value_and_grad(total, argnums=(0, 1))(p, xs, gmj.tsum)
+    expected = jax.value_and_grad(total, argnums=(0, 1))(p, xs, loop_sum)
+    assert_trees_close(got, expected)
+    # jax.vjp with a cotangent other than one scales the summed gradients
+    _, pullback = jax.vjp(lambda p: total(p, xs, gmj.tsum), p)
+    _, pullback_l = jax.vjp(lambda p: total(p, xs, loop_sum), p)
+    assert_trees_close(pullback(jnp.float32(-2.5)), pullback_l(jnp.float32(-2.5)))
+
+
+def test_tsum_check_grads_numerically(kw):
+    xs = bags(5)
+
+    def total(w: jax.Array, b: jax.Array) -> jax.Array:
+        return gmj.tsum(lambda x: bag_loss_jit({"w": w, "b": b}, x), xs, **kw)
+
+    p = params()
+    check_grads(total, (p["w"], p["b"]), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_tsum_results_that_are_not_one_loss(kw):
+    """Vector results, several differentiable leaves, Python and integer leaves: the pullback
+    path, and the loop's gradients."""
+    p, xs = params(), bags(6)
+
+    def f(p: Any, x: jax.Array) -> Any:
+        y = jnp.tanh(x @ p["w"] + p["b"])
+        return {"v": y.sum(axis=0), "l": (y**2).mean(), "k": 2, "i": jnp.argmax(y.sum(0))}
+
+    def total(p: Any, ts: Any) -> tuple[jax.Array, Any]:
+        s = ts(lambda x: f(p, x), xs, **(kw if ts is gmj.tsum else {}))
+        return (s["v"] * jnp.arange(1.0, 3.0)).sum() + 3 * s["l"], (s["k"], int(s["i"]))
+
+    got = jax.value_and_grad(total, has_aux=True)(p, gmj.tsum)
+    expected = jax.value_and_grad(total, has_aux=True)(p, loop_sum)
+    assert got[0][1] == expected[0][1]
+    assert_trees_close((got[0][0], got[1]), (expected[0][0], expected[1]))
+    jac = jax.jacrev(lambda p: gmj.tsum(lambda x: f(p, x)["v"], xs, **kw))(p)
+    assert_trees_close(jac, jax.jacrev(lambda p: loop_sum(lambda x: f(p, x)["v"], xs))(p))
+
+
+def test_tsum_gradients_are_bitwise_the_same_for_any_workers():
+    p, xs = params(), bags(16)
+
+    def grad(**kw: Any) -> Any:
+        return jax.grad(lambda p: gmj.tsum(lambda x: bag_loss_jit(p, x), xs, chunksize=3, **kw))(p)
+
+    reference = grad(executor="serial")
+    for workers in (1, 2, 4):
+        for a, b in zip(
+            jax.tree_util.tree_leaves(grad(workers=workers)), jax.tree_util.tree_leaves(reference)
+        ):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tsum_under_other_transformations_is_the_loop():
+    kw = ONE_EXECUTOR
+    xs = bags(4)
+    w = jnp.asarray([0.3, -0.2, 0.5], jnp.float32)
+
+    def total(w: jax.Array, ts: Any) -> jax.Array:
+        return ts(
+            lambda x: jnp.sin(x @ w).sum() * (w**2).sum(), xs, **(kw if ts is gmj.tsum else {})
+        )
+
+    assert_trees_close(jax.jit(total, static_argnums=1)(w, gmj.tsum), total(w, loop_sum))
+    assert_trees_close(jax.hessian(total)(w, gmj.tsum), jax.hessian(total)(w, loop_sum), rtol=1e-4)
+    ws = jnp.stack([w, 2 * w])
+    assert_trees_close(
+        jax.vmap(total, (0, None))(ws, gmj.tsum), jax.vmap(total, (0, None))(ws, loop_sum)
+    )
+    t = jnp.ones(3)
+    assert_trees_close(
+        jax.jvp(lambda w: total(w, gmj.tsum), (w,), (t,)),
+        jax.jvp(lambda w: total(w, loop_sum), (w,), (t,)),
+    )
+
+
+def test_tsum_reuses_traces_across_calls_and_passes_the_closure_anew():
+    """The same code over new arrays is not traced again; its arrays are the new ones."""
+
+    class Log:  # not a pytree: the key holds it by identity, not by its contents
+        def __init__(self) -> None:
+            self.shapes: list[Any] = []
+
+    log = Log()
+    xs = bags(8)
+    traced = log.shapes
+    scale = {"s": 1.0}
+    offset = np.float32(0.0)
+
+    def make_loss(p: Any) -> Any:
+        def loss(x: jax.Array) -> jax.Array:
+            log.shapes.append(x.shape)
+            return bag_loss(p, x) * scale["s"] + offset
+
+        return loss
+
+    def total(p: Any) -> Any:
+        return gmj.tsum(make_loss(p), xs, executor="serial")
+
+    def expected(p: Any) -> Any:
+        return jax.value_and_grad(lambda p: loop_sum(make_loss(p), xs))(p)
+
+    p = params()
+    jax.value_and_grad(total)(p)
+    count = len(traced)
+    assert count == 4  # one trace per shape
+    p2 = jax.tree_util.tree_map(lambda a: a * 3 + 1, p)  # new values, same shapes
+    got = jax.value_and_grad(total)(p2)
+    assert len(traced) == count  # not traced again
+    traced.clear()
+    assert_trees_close(got, expected(p2))
+    scale["s"] = 2.0  # a Python value in the closure: traced again, with the new value
+    assert_trees_close(jax.value_and_grad(total)(p2), expected(p2))
+    assert traced
+    p3 = {"w": jnp.ones((3, 5)), "b": jnp.zeros(5)}  # new shapes: traced again
+    assert_trees_close(jax.value_and_grad(total)(p3), expected(p3))
+    offset = np.float32(1.5)  # a closure cell rebound to a new value
+    traced.clear()
+    assert_trees_close(jax.value_and_grad(total)(p3), expected(p3))
+
+
+def test_tsum_reads_globals_and_opaque_objects_anew():
+    """Arrays reached through an object that is not a pytree are constants of a trace used
+    for one call only: a new array there is seen."""
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    xs = bags(4)
+    for k in range(3):
+        holder.w = jnp.full((3, 2), float(k + 1), jnp.float32)
+        got = jax.grad(
+            lambda b: gmj.tsum(lambda x: (jnp.tanh(x @ holder.w + b)).sum(), xs, executor="serial")
+        )(jnp.zeros(2))
+        expected = jax.grad(lambda b: loop_sum(lambda x: (jnp.tanh(x @ holder.w + b)).sum(), xs))(
+            jnp.zeros(2)
+        )
+        assert_trees_close(got, expected)
+
+
+def test_tsum_branch_on_an_array_value_runs_the_loop_with_a_warning(kw):
+    p, xs = params(), bags(5)
+
+    def f(p: Any, x: jax.Array) -> jax.Array:
+        if x.sum() > 0:
+            return bag_loss(p, x)
+        return -bag_loss(p, x)
+
+    with pytest.warns(RuntimeWarning, match="gradmap.jax.tsum: element .* could not be traced"):
+        got = jax.grad(lambda p: gmj.tsum(lambda x: f(p, x), xs, **kw))(p)
+    assert_trees_close(got, jax.grad(lambda p: loop_sum(lambda x: f(p, x), xs))(p))
+
+
+@pytest.mark.parametrize("where", ["eager", "grad", "jit"])
+def test_tsum_forward_error_names_the_element_and_tsum(kw, where):
+    w = jnp.ones(3)
+
+    def total(w: jax.Array) -> jax.Array:
+        def f(i: int) -> jax.Array:
+            if i == 3:
+                raise Boom("three")
+            return (w * i).sum()
+
+        return gmj.tsum(f, range(6), **kw)
+
+    run = {"eager": total, "grad": jax.grad(total), "jit": jax.jit(total)}[where]
+    with pytest.raises(Boom) as info:
+        run(w)
+    assert "gradmap.jax.tsum: raised in the forward pass of element 3 (of 6)" in notes(info.value)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["general", "jitted"])
+def test_tsum_backward_error_names_the_element(kw, jit):
+    xs = bags(6)  # element 2 has 3 rows
+    f = (
+        jax.jit(lambda w, x: (_fragile(x) @ w).sum())
+        if jit
+        else (lambda w, x: (_fragile(x) @ w).sum())
+    )
+    w = params()["w"]
+    with pytest.raises(Boom, match="3 rows") as info:
+        jax.grad(lambda w, xs: gmj.tsum(lambda x: f(w, x), xs, **kw), argnums=1)(w, xs)
+    assert "gradmap.jax.tsum: raised in the backward pass of element 2 (of 6)" in notes(info.value)
+
+
+@pytest.mark.parametrize("where", ["eager", "grad"])
+def test_tsum_results_of_different_structures_are_an_error(kw, where):
+    def total(w: jax.Array) -> Any:
+        def f(i: int) -> Any:
+            return {"a": w * i} if i not in (4, 5) else {"b": w * i}
+
+        return sum(jax.tree_util.tree_leaves(gmj.tsum(f, range(7), **kw)))
+
+    run = total if where == "eager" else jax.grad(total)
+    with pytest.raises(TypeError, match=r"gradmap\.jax\.tsum: element 4 returned") as info:
+        run(jnp.float32(2.0))
+    assert "element 4 (of 7)" in notes(info.value)
+
+
+def test_argument_errors_name_the_jax_api():
+    for api in (gmj.tmap, gmj.tsum):
+        name = f"gradmap.jax.{api.__name__}"
+        with pytest.raises(TypeError, match=f"{name}: f must be callable"):
+            api(3, [1])
+        with pytest.raises(ValueError, match=f"{name}: chunksize must be at least 1"):
+            api(lambda x: x, [1], chunksize=0)
+        with pytest.raises(ValueError, match=f"{name}: workers must be at least 1"):
+            api(lambda x: x, [1], workers=0)
+        with pytest.raises(ValueError, match=f"{name}: unknown executor"):
+            api(lambda x: x, [1], executor="nope")
+        with pytest.raises(ValueError, match=rf"{name}\(strict=True\)"):
+            api(lambda x, y: x, [1], [1, 2], strict=True)
+        with pytest.raises(TypeError, match=f"{name}: iterable 0 is a 0-d array"):
+            api(lambda x: x, jnp.float32(1.0))
+
+
+def test_tmap_without_kept_gradients_is_the_same(kw, monkeypatch):
+    """Past the budget of kept gradients, elements take the compiled pullback: same result."""
+    from gradmap._jax import _element
+
+    p, xs = params(), bags()
+
+    def grad() -> Any:
+        return jax.grad(lambda p: total_loss(gmj.tmap, bag_loss_jit, p, xs, **kw))(p)
+
+    kept = grad()
+    monkeypatch.setattr(_element, "STORED_GRADIENTS", 0)
+    assert_trees_close(grad(), kept)
+    assert_trees_close(kept, jax.grad(lambda p: total_loss(loop, bag_loss_jit, p, xs))(p))
+
+
+def test_importing_gradmap_jax_does_not_import_torch():
+    code = (
+        "import sys, gradmap.jax; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_tsum_docstring_example():
+    import doctest
+
+    from gradmap._jax import _map
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(_map.tsum, "tsum", globs={}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
+
+
+def test_bench_has_tsum_against_the_loop_of_value_and_grad():
+    from gradmap.bench import jax_bags
+
+    results = jax_bags.run(n=3, reps=1, variants=("loop", "loop_vg", "tsum"))
+    assert results["tsum"]["max_rel_grad_diff"] < 1e-4
+    assert "vs loop_vg" in jax_bags.format_results(results, 3)

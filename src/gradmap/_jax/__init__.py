@@ -1,4 +1,4 @@
-"""The JAX adapter: ``gradmap.jax.tmap``.
+"""The JAX adapter: ``gradmap.jax.tmap`` and ``gradmap.jax.tsum``.
 
 | module | one concept |
 |---|---|
@@ -6,10 +6,13 @@
 | ``_config`` | JAX's thread-local configuration carried into the workers |
 | ``_items`` | the zip of the iterables, arrays split over their first dimension |
 | ``_chunks`` | what a chunk does around each element: stop early, wait for its arrays |
-| ``_element`` | elements under reverse mode: traced, the tracers they use hoisted, run |
-| ``_compiled`` | an element that is one jitted call: compiled forward and pullback, cached |
-| ``_rule`` | the rule: forward in chunks, one join node, per-chunk pullbacks, a fixed-order sum |
-| ``_map`` | ``tmap``: argument checks and the choice between eager, rule and loop |
+| ``_closure`` | what ``f`` closes over: the key its traces are reused under across calls |
+| ``_element`` | elements under reverse mode: traced (cached), the tracers they use hoisted, run |
+| ``_compiled`` | an element as compiled programs: forward, pullback, value and gradient, sum step |
+| ``_rule`` | ``tmap``'s rule: chunked forward, a join node, per-chunk pullbacks, fixed-order sum |
+| ``_sum`` | ``tsum``'s rule: each element one compiled step, chunks' gradients summed in order |
+| ``_map`` | ``tmap`` and ``tsum``: argument checks and the choice between eager, rule and loop |
 
-Nothing here is imported by ``import gradmap``; ``import gradmap.jax`` imports JAX.
+Nothing here is imported by ``import gradmap``; ``import gradmap.jax`` imports JAX, and no
+PyTorch.
 """

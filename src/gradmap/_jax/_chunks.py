@@ -29,9 +29,11 @@ from .._engine import ChunkRun
 from .._errors import add_note, element_note
 from .._plan import ChunkPlan
 
-__all__ = ["JAX_API", "Pending", "chunk_elements", "settled"]
+__all__ = ["TMAP", "TSUM", "Pending", "chunk_elements", "settled"]
 
-JAX_API = "gradmap.jax.tmap"  # the name in error notes
+# The names in error messages and notes.
+TMAP = "gradmap.jax.tmap"
+TSUM = "gradmap.jax.tsum"
 
 T = TypeVar("T")
 
@@ -47,6 +49,10 @@ def chunk_elements(run: ChunkRun[Any], k: int, plan: ChunkPlan) -> Iterator[int]
 def settled(tree: T) -> T:
     """``tree`` once XLA has computed its arrays (see NOTE [a worker waits for each element]);
     tracers (a pullback run under ``vmap``) have nothing to wait for."""
+    if isinstance(tree, jax.Array):
+        if not isinstance(tree, jax.core.Tracer):
+            tree.block_until_ready()
+        return tree
     arrays = [
         x
         for x in jax.tree_util.tree_leaves(tree)
@@ -60,18 +66,20 @@ def settled(tree: T) -> T:
 class Pending:
     """A worker's elements in flight: ``push`` an element's arrays, and those pushed ``LAG``
     elements before are waited for (see NOTE [a worker waits for each element]); ``wait`` for
-    the rest. An error that surfaces while waiting gets the note of its element."""
+    the rest. An error that surfaces while waiting gets the note of its element (of ``api``)."""
 
     LAG = 1  # elements a worker may have in flight besides the one it is dispatching
 
-    def __init__(self, n: int, phase: str) -> None:
+    def __init__(self, n: int, phase: str, api: str, lag: int | None = None) -> None:
         self._n = n
         self._phase = phase
+        self._api = api
+        self._lag = self.LAG if lag is None else lag
         self._trees: list[tuple[int, Any]] = []
 
     def push(self, index: int, tree: Any) -> None:
         self._trees.append((index, tree))
-        while len(self._trees) > self.LAG:
+        while len(self._trees) > self._lag:
             self._settle()
 
     def wait(self) -> None:
@@ -83,5 +91,5 @@ class Pending:
         try:
             settled(tree)
         except BaseException as exc:
-            add_note(exc, element_note(index, self._n, self._phase, JAX_API))
+            add_note(exc, element_note(index, self._n, self._phase, self._api))
             raise

@@ -1,7 +1,7 @@
-"""The zip of ``tmap``'s iterables, with JAX arrays split over their first dimension.
+"""The zip of the iterables, with JAX arrays split over their first dimension.
 
-``gradmap._api.zip_items`` does the zip, ``strict`` and its errors; this module only turns each
-JAX array (concrete or a tracer) into the list of its rows first, as the torch adapter unbinds
+``gradmap._items.zip_items`` does the zip, ``strict`` and its errors; this module only says what
+a JAX array is (concrete or a tracer) and how it splits into rows, as the torch adapter unbinds
 tensors. Under differentiation the split is part of the caller's trace, so the gradient of the
 rows flows back to the whole array.
 """
@@ -13,31 +13,31 @@ from typing import Any
 
 import jax
 
-from .._api import zip_items
+from .._items import ArrayKind, zip_items
 
 __all__ = ["zip_jax_items"]
 
-
-def _rows(arg: Any, position: int) -> Any:
-    if not isinstance(arg, jax.Array):
-        return arg
-    if arg.ndim == 0:
-        raise TypeError(
-            f"gradmap.jax.tmap: iterable {position} is a 0-d array, which has no first dimension "
-            "to map over; pass an array with at least one dimension (e.g. x.reshape(1)) or a list"
-        )
-    return list(arg)
+JAX_ARRAYS = ArrayKind(
+    noun="array",
+    recognises=lambda x: isinstance(x, jax.Array),
+    length=lambda x: int(x.shape[0]),
+    rows=list,
+    example="x.reshape(1)",
+)
 
 
-def zip_jax_items(iterables: tuple[Iterable[Any], ...], strict: bool) -> list[tuple[Any, ...]]:
-    """The argument tuples of every element: ``list(zip(*iterables, strict=strict))``, with JAX
-    arrays iterated over their first dimension.
+def zip_jax_items(
+    iterables: tuple[Iterable[Any], ...], strict: bool, api: str
+) -> list[tuple[Any, ...]]:
+    """The argument tuples of every element: ``list(zip(*iterables, strict=strict))``, with
+    JAX arrays iterated over their first dimension.
 
     Arguments:
-        iterables: ``tmap``'s iterables.
+        iterables: the map's iterables.
         strict: require equal lengths.
+        api: the function named in error messages (``gradmap.jax.tmap``, ``gradmap.jax.tsum``).
 
     Returns:
         One tuple of items per element.
     """
-    return zip_items(tuple(_rows(arg, i) for i, arg in enumerate(iterables)), strict)
+    return zip_items(iterables, strict, api=api, arrays=JAX_ARRAYS)

@@ -1,4 +1,5 @@
-"""``gradmap.jax.tmap``: argument checks, the zip, and the choice between eager, rule and loop.
+"""``gradmap.jax.tmap`` and ``gradmap.jax.tsum``: argument checks, the zip, and the choice
+between eager, rule and loop.
 
 NOTE [threads on XLA:CPU, measured]:
     Whether a thread pool can speed up a JAX map depends on whether XLA's CPU client runs
@@ -45,13 +46,14 @@ from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
 from .._executors import Executor, resolve_executor
 from .._plan import ChunkPlan, plan_chunks
-from ._chunks import JAX_API, Pending, chunk_elements
+from ._chunks import TMAP, TSUM, Pending, chunk_elements
 from ._config import JaxConfig
 from ._items import zip_jax_items
 from ._mode import Mode, current_mode
 from ._rule import map_vjp
+from ._sum import Totals, check_structures, structure_error, sum_vjp
 
-__all__ = ["tmap"]
+__all__ = ["tmap", "tsum"]
 
 
 def tmap(
@@ -83,8 +85,11 @@ def tmap(
 
     ``f`` must be pure across elements: it may not rely on the order in which elements run, nor on
     state one element leaves for the next. Under differentiation it is traced, as under
-    ``jax.jit`` -- once per distinct shape and per value of its non-array items, not per element:
-    an ``f`` that branches on a computed array's value runs as the plain loop, with a warning.
+    ``jax.jit`` -- once per distinct shape and per value of its non-array items, not per element,
+    and not again on the next call of the same code over arrays of the same shapes (the arrays
+    ``f`` closes over are inputs of the trace; see ``gradmap/_jax/_closure.py`` for what the
+    reuse assumes): an ``f`` that branches on a computed array's value runs as the plain loop,
+    with a warning.
     JAX's thread-local settings (``jax.enable_x64``, ``jax.default_matmul_precision``, meshes,
     ...) are carried into the workers.
 
@@ -126,12 +131,7 @@ def tmap(
         >>> float(jax.grad(total)(w))
         6.0
     """
-    if not callable(f):
-        raise TypeError(f"gradmap.jax.tmap: f must be callable, got {type(f).__name__}")
-    resolved = resolve_executor(executor, workers)
-    plan_chunks(0, chunksize)  # checks chunksize before any item is read
-    elements = zip_jax_items(iterables, strict)
-    plan = plan_chunks(len(elements), chunksize)
+    resolved, elements, plan = _start(f, iterables, executor, workers, chunksize, strict, TMAP)
     if not elements:
         return []
     mode, trace = current_mode()
@@ -143,6 +143,112 @@ def tmap(
     return _loop(f, elements)
 
 
+def tsum(
+    f: Callable[..., Any],
+    *iterables: Iterable[Any],
+    executor: str | Executor | Any | None = None,
+    workers: int | None = None,
+    chunksize: int | None = None,
+    strict: bool = False,
+) -> Any:
+    """The sum of ``f`` over the elements, on a thread pool; differentiable, with the plain
+    loop's gradients, and made for a loss: each element runs as one compiled call.
+
+    ``tsum(f, *iterables)`` is ``sum(tmap(f, *iterables))``: ``f``'s results (any pytree of one
+    structure) added leaf by leaf, in element order within a chunk and in chunk order across
+    chunks. Under ``jax.grad``, ``jax.value_and_grad`` or ``jax.vjp`` (reverse mode over concrete
+    values), each element whose differentiable result is one real 0-d array (a loss) runs as one
+    compiled ``jax.value_and_grad`` step -- compiled once per input shape and reused across calls
+    -- on the pool, adding its value and gradient to its chunk's totals; the backward pass only
+    adds the chunks' gradients in chunk order and scales them by the sum's cotangent. That is the
+    loop of jitted ``value_and_grad`` calls a JAX user writes by hand for ragged data, spread over
+    the pool. Other results take a compiled forward and a compiled pullback, as ``tmap``'s
+    elements do. The gradients are those of ``sum(f(*args) for args in zip(*iterables))`` -- to
+    arrays inside the items and to every array ``f`` closes over -- up to the order of
+    floating-point sums, and bitwise the same for any ``workers``. Called eagerly, ``f`` runs on
+    the pool as in ``tmap``; under any other transformation (``jax.jit``, ``vmap``, ``jvp``,
+    ``jax.hessian``, grad of grad) the sum is the plain loop, in the caller's thread.
+
+    ``f`` must be pure across elements and, under differentiation, traceable, as for ``tmap``;
+    it is compiled whole (a jitted ``f`` need not be). An ``f`` that branches on a computed
+    array's value runs as the plain loop, with a warning.
+
+    Arguments:
+        f: the function to sum; it is called as ``f(*items)``.
+        *iterables: as for ``tmap``: lists, tuples, ``range``, generators, or JAX arrays
+            (iterated over their first dimension).
+        executor: as for ``tmap``.
+        workers: as for ``tmap``.
+        chunksize: as for ``tmap``.
+        strict: raise ``ValueError`` if the iterables have different lengths.
+
+    Returns:
+        The sum of ``f``'s results: of the structure of each, or ``0`` when there are no
+        elements (as the builtin ``sum``).
+
+    Raises:
+        TypeError: ``f`` is not callable, an iterable is not iterable or is a 0-d array, or the
+            results differ in structure.
+        ValueError: with ``strict=True``, the iterables differ in length; a bad ``workers``,
+            ``chunksize`` or executor name.
+        Exception: whatever ``f`` raised, for the lowest failing element, with a note naming the
+            element and ``gradmap.jax.tsum``; the rest of the sum is cancelled first.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import gradmap.jax as gmj
+        >>> w = jnp.array(2.0)
+        >>> bags = [jnp.ones(n) for n in (1, 2, 3)]
+        >>> float(jax.grad(lambda w: gmj.tsum(lambda bag: (w * bag).sum(), bags))(w))
+        6.0
+    """
+    resolved, elements, plan = _start(f, iterables, executor, workers, chunksize, strict, TSUM)
+    if not elements:
+        return 0
+    mode, trace = current_mode()
+    if mode is Mode.EAGER:
+        return _sum_eager(f, elements, resolved, plan)
+    if mode is Mode.VJP:
+        assert trace is not None
+        return sum_vjp(f, elements, resolved, plan, trace, lambda: _sum_loop(f, elements))
+    return _sum_loop(f, elements)
+
+
+def _start(
+    f: Callable[..., Any],
+    iterables: tuple[Iterable[Any], ...],
+    executor: Any,
+    workers: int | None,
+    chunksize: int | None,
+    strict: bool,
+    api: str,
+) -> tuple[Executor, list[tuple[Any, ...]], ChunkPlan]:
+    """Check the arguments (before any item is read), zip the iterables, plan the chunks."""
+    if not callable(f):
+        raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
+    resolved = _resolve(executor, workers, api)
+    plan_chunks(0, chunksize, api)  # checks chunksize before any item is read
+    elements = zip_jax_items(iterables, strict, api)
+    return resolved, elements, plan_chunks(len(elements), chunksize, api)
+
+
+def _resolve(executor: Any, workers: int | None, api: str) -> Executor:
+    """``resolve_executor``, its errors naming ``api``; executors that share memory only."""
+    try:
+        resolved = resolve_executor(executor, workers)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        message = str(exc)
+        if message.startswith("gradmap.tmap"):  # its messages name the PyTorch API
+            raise type(exc)(api + message[len("gradmap.tmap") :]) from None
+        raise
+    if not resolved.shares_memory:
+        raise TypeError(
+            f"{api}: the {resolved.name!r} executor runs chunks in other processes; a JAX map "
+            "runs on threads: pass executor=None, 'threads', 'serial' or a ThreadPoolExecutor"
+        )
+    return resolved
+
+
 def _loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> list[Any]:
     """The plain loop, in the caller's thread and trace, with errors naming the element."""
     n = len(elements)
@@ -151,9 +257,29 @@ def _loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> list[Any]:
         try:
             results.append(f(*args))
         except BaseException as exc:
-            add_note(exc, element_note(i, n, "forward", JAX_API))
+            add_note(exc, element_note(i, n, "forward", TMAP))
             raise
     return results
+
+
+def _sum_loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> Any:
+    """The plain loop's sum, in the caller's thread and trace, with errors naming the element."""
+    import jax
+
+    n = len(elements)
+    totals = Totals(TSUM)
+    for i, args in enumerate(elements):
+        try:
+            leaves, tree = jax.tree_util.tree_flatten(f(*args))
+            if not totals.check(i, tree):
+                raise structure_error(TSUM, i, tree, 0, totals.tree)
+        except BaseException as exc:
+            add_note(exc, element_note(i, n, "forward", TSUM))
+            raise
+        totals.add_leaves(leaves)
+    return jax.tree_util.tree_unflatten(
+        totals.tree, [totals.leaf(t) for t in range(len(totals.arrays))]
+    )
 
 
 def _map_eager(
@@ -164,12 +290,12 @@ def _map_eager(
 
     def chunk_results(k: int, run: ChunkRun[list[Any]]) -> list[Any]:
         out: list[Any] = []
-        pending = Pending(n, "forward")
+        pending = Pending(n, "forward", TMAP)
         for i in chunk_elements(run, k, plan):
             try:
                 out.append(f(*elements[i]))
             except BaseException as exc:
-                add_note(exc, element_note(i, n, "forward", JAX_API))
+                add_note(exc, element_note(i, n, "forward", TMAP))
                 raise
             pending.push(i, out[-1])
         pending.wait()
@@ -177,3 +303,37 @@ def _map_eager(
 
     chunks = run_chunks(executor, plan.count, chunk_results, context=JaxConfig().enter)
     return [y for chunk in chunks for y in chunk]
+
+
+def _sum_eager(
+    f: Callable[..., Any], elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan
+) -> Any:
+    """No transformation: ``f`` itself runs on the workers, each chunk summing its results;
+    the chunks' sums are added in chunk order."""
+    import jax
+
+    n = len(elements)
+
+    def chunk_sum(k: int, run: ChunkRun[Totals]) -> Totals:
+        totals = Totals(TSUM)
+        pending = Pending(n, "forward", TSUM)
+        for i in chunk_elements(run, k, plan):
+            try:
+                leaves, tree = jax.tree_util.tree_flatten(f(*elements[i]))
+                if totals.check(i, tree):
+                    totals.add_leaves(leaves)
+            except BaseException as exc:
+                add_note(exc, element_note(i, n, "forward", TSUM))
+                raise
+            pending.push(i, list(totals.arrays))
+        pending.wait()
+        return totals
+
+    chunks = run_chunks(executor, plan.count, chunk_sum, context=JaxConfig().enter)
+    check_structures(chunks, n)
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total.merge(chunk)
+    return jax.tree_util.tree_unflatten(
+        total.tree, [total.leaf(t) for t in range(len(total.arrays))]
+    )

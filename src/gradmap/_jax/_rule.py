@@ -26,9 +26,9 @@ NOTE [the join node]:
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,16 +39,27 @@ from jax.custom_derivatives import SymbolicZero
 from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
 from .._executors import Executor
+from .._join import JoinLayout, sum_in_chunk_order
 from .._plan import ChunkPlan
-from ._chunks import JAX_API, Pending, chunk_elements
+from ._chunks import TMAP, Pending, chunk_elements
 from ._config import JaxConfig
 from ._element import UNTRACEABLE, Element, ElementRunner
 from ._mode import VjpTrace, top_level
 
-__all__ = ["map_vjp"]
+__all__ = [
+    "Boundary",
+    "NeedsLoop",
+    "Zeros",
+    "has_tracers",
+    "layout_of",
+    "make_join",
+    "map_vjp",
+    "sum_chunk_grads",
+    "warn_loop",
+]
 
 
-class _NeedsLoop(Exception):
+class NeedsLoop(Exception):
     """An element could not be traced (a branch on an array's value): run the plain loop."""
 
     def __init__(self, index: int, error: Exception) -> None:
@@ -57,14 +68,145 @@ class _NeedsLoop(Exception):
         self.error = error
 
 
+def warn_loop(need: NeedsLoop, n: int, api: str) -> None:
+    warnings.warn(
+        f"{api}: element {need.index} of {n} could not be traced "
+        f"({type(need.error).__name__}: f branches on an array's value), so the map ran "
+        "as the plain loop in the caller's thread. To run it in parallel under "
+        "differentiation, make f traceable (jnp.where, lax.cond) or pass such values as "
+        "Python scalars.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+@dataclass(eq=False)
+class Boundary:
+    """The caller's tracers a chunk's elements are differentiated with respect to, each once
+    (by identity), in order of first use: the chunk's part of the join's inputs."""
+
+    tracers: list[Any] = field(default_factory=list)
+    _where: dict[int, int] = field(default_factory=dict)
+
+    def place(self, tracers: Sequence[Any]) -> list[int]:
+        """The positions of ``tracers`` in the boundary (added where new)."""
+        positions = []
+        for t in tracers:
+            p = self._where.get(id(t))
+            if p is None:
+                p = self._where[id(t)] = len(self.tracers)
+                self.tracers.append(t)
+            positions.append(p)
+        return positions
+
+
+def layout_of(boundaries: list[Boundary], output_counts: list[int]) -> JoinLayout[Any]:
+    """The join's layout: every chunk's tracers, each once (by identity)."""
+    return JoinLayout(
+        [b.tracers for b in boundaries],
+        [[id(t) for t in b.tracers] for b in boundaries],
+        output_counts,
+    )
+
+
+class Zeros:
+    """Zeros of each type, made once per pass and shared (arrays are immutable): the starting
+    running totals of a chunk's gradients."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[Any, Any], Any] = {}
+        self._lock = threading.Lock()
+
+    def like(self, x: Any) -> Any:
+        """Zeros of ``x``'s shape and dtype (``x`` an array, a tracer or a type)."""
+        key = (tuple(x.shape), x.dtype)
+        z = self._made.get(key)
+        if z is None:
+            z = jnp.zeros(*key)
+            with self._lock:
+                z = self._made.setdefault(key, z)
+        return z
+
+
+def has_tracers(cotangents: Sequence[Any]) -> bool:
+    """Whether any cotangent is a tracer (``vmap`` or ``jit`` of the ``vjp`` function): then
+    the backward runs in the caller's thread, under the caller's trace."""
+    return any(isinstance(c, jax.core.Tracer) for c in cotangents)
+
+
+def make_join(
+    inputs: list[Any],
+    outputs: Sequence[Any],
+    backward: Callable[[tuple[Any, ...]], Sequence[Any]],
+) -> Callable[..., tuple[Any, ...]]:
+    """The join node: ``inputs`` (the caller's tracers) to ``outputs`` (computed already);
+    ``backward(cotangents)`` (symbolic zeros among them) gives each input's cotangent or
+    ``None``."""
+    values = tuple(outputs)
+
+    @jax.custom_vjp
+    def join(*primals: Any) -> tuple[Any, ...]:
+        return values
+
+    def join_fwd(*primals: Any) -> tuple[tuple[Any, ...], None]:
+        return values, None
+
+    def join_bwd(residuals: None, cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(backward(cotangents))
+
+    join.defvjp(join_fwd, join_bwd, symbolic_zeros=True)
+    return join
+
+
+def _concat(a: list[Any], b: list[Any]) -> list[Any]:
+    a.extend(b)  # ``a`` is a list made for this sum (below)
+    return a
+
+
+def sum_chunk_grads(
+    layout: JoinLayout[Any], per_chunk: Sequence[Sequence[Any] | None]
+) -> list[Any]:
+    """Each join input's cotangent: its chunks' gradients (aligned with each chunk's boundary,
+    ``None`` where a chunk did not reach it) added in chunk order (NOTE [chunk-order sum] in
+    ``gradmap._join``), the additions in one compiled call; ``None`` where no chunk reached it.
+    """
+    lists = [
+        None if grads is None else [None if g is None else [g] for g in grads]
+        for grads in per_chunk
+    ]
+    terms = sum_in_chunk_order(layout, lists, _concat)
+    several = [p for p, ts in enumerate(terms) if ts is not None and len(ts) > 1]
+    grads = [ts[0] if ts is not None and len(ts) == 1 else None for ts in terms]
+    if several:
+        for p, g in zip(several, _add_in_order([terms[p] for p in several])):
+            grads[p] = g
+    return grads
+
+
+@jax.jit
+def _add_in_order(parts: list[list[Any]]) -> list[Any]:
+    out = []
+    for terms in parts:
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
+        out.append(total)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# tmap
+
+
 @dataclass(eq=False)
 class _Chunk:
     """What a chunk's forward leaves for its backward."""
 
-    indices: list[int]
+    indices: list[int] = field(default_factory=list)
     elements: list[Element] = field(default_factory=list)
+    boundary: Boundary = field(default_factory=Boundary)
+    positions: list[list[int]] = field(default_factory=list)  # per element: in the boundary
     outputs: tuple[int, int] = (0, 0)  # its range among the join's outputs
-    positions: list[list[int]] = field(default_factory=list)  # per element: join input indices
 
 
 def map_vjp(
@@ -90,61 +232,70 @@ def map_vjp(
         The results, in element order.
     """
     n = len(elements)
-    config = JaxConfig()
-    runner = ElementRunner(f, trace)
+    runner = ElementRunner(f, trace, TMAP)
 
     def forward_chunk(k: int, run: ChunkRun[_Chunk]) -> _Chunk:
-        chunk = _Chunk([])
-        pending = Pending(n, "forward")
+        chunk = _Chunk()
+        pending = Pending(n, "forward", TMAP)
         with top_level():  # the caller's thread too, when it helps
             for i in chunk_elements(run, k, plan):
-                chunk.indices.append(i)
                 try:
-                    chunk.elements.append(runner.run(elements[i]))
+                    el = runner.run(elements[i], n)
                 except UNTRACEABLE as exc:
-                    raise _NeedsLoop(i, exc) from None
+                    raise NeedsLoop(i, exc) from None
                 except BaseException as exc:
-                    add_note(exc, element_note(i, n, "forward", JAX_API))
+                    add_note(exc, element_note(i, n, "forward", TMAP))
                     raise
-                pending.push(i, chunk.elements[-1].leaves)
+                chunk.indices.append(i)
+                chunk.elements.append(el)
+                chunk.positions.append(chunk.boundary.place(el.tracers))
+                pending.push(i, el.leaves)
             pending.wait()
         return chunk
 
     try:
-        chunks = run_chunks(executor, plan.count, forward_chunk, context=config.enter)
-    except _NeedsLoop as need:
-        warnings.warn(
-            f"gradmap.jax.tmap: element {need.index} of {n} could not be traced "
-            f"({type(need.error).__name__}: f branches on an array's value), so the map ran "
-            "as the plain loop in the caller's thread. To run it in parallel under "
-            "differentiation, make f traceable (jnp.where, lax.cond) or pass such values as "
-            "Python scalars.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        chunks = run_chunks(executor, plan.count, forward_chunk, context=JaxConfig().enter)
+    except NeedsLoop as need:
+        warn_loop(need, n, TMAP)
         return loop()
 
-    inputs: list[Any] = []
-    index: dict[int, int] = {}
     outputs: list[Any] = []
     for chunk in chunks:
         lo = len(outputs)
         for el in chunk.elements:
-            positions = []
-            for t in el.tracers:
-                p = index.get(id(t))
-                if p is None:
-                    p = index[id(t)] = len(inputs)
-                    inputs.append(t)
-                positions.append(p)
-            chunk.positions.append(positions)
             outputs.extend(el.leaves[i] for i in el.diff)
         chunk.outputs = (lo, len(outputs))
     if not outputs:
         return [el.result() for chunk in chunks for el in chunk.elements]
+    layout = layout_of(
+        [c.boundary for c in chunks], [hi - lo for lo, hi in (c.outputs for c in chunks)]
+    )
 
-    join = _make_join(chunks, inputs, outputs, executor, n)
-    joined = iter(join(*inputs))
+    def backward(cotangents: tuple[Any, ...]) -> list[Any]:
+        live = [c for c in cotangents if not isinstance(c, SymbolicZero)]
+        on_workers = not has_tracers(live)
+        zeros = Zeros()
+        if on_workers:
+
+            def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
+                with top_level():
+                    return _backward_chunk(chunks[k], cotangents, zeros, n)
+
+            per_chunk = run_chunks(
+                executor,
+                len(chunks),
+                backward_chunk,
+                reverse=executor.reverse_backward,
+                context=JaxConfig().enter,  # the backward pass's own settings
+            )
+            with top_level():
+                return sum_chunk_grads(layout, per_chunk)
+        # Cotangents that are tracers (vmap or jit of the vjp function): the caller's thread.
+        per_chunk = [_backward_chunk(chunk, cotangents, zeros, n) for chunk in chunks]
+        return sum_chunk_grads(layout, per_chunk)
+
+    join = make_join(layout.inputs, outputs, backward)
+    joined = iter(join(*layout.inputs))
     results = []
     for chunk in chunks:
         for el in chunk.elements:
@@ -155,108 +306,63 @@ def map_vjp(
     return results
 
 
-def _make_join(
-    chunks: list[_Chunk],
-    inputs: list[Any],
-    outputs: list[Any],
-    executor: Executor,
-    n: int,
-) -> Callable[..., tuple[Any, ...]]:
-    """The join node: ``inputs`` (the hoisted tracers) to ``outputs`` (computed already)."""
-    values = tuple(outputs)
-    avals = [(t.shape, t.dtype) for t in inputs]
-
-    @jax.custom_vjp
-    def join(*primals: Any) -> tuple[Any, ...]:
-        return values
-
-    def join_fwd(*primals: Any) -> tuple[tuple[Any, ...], None]:
-        return values, None
-
-    def join_bwd(residuals: None, cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
-        live = [c for c in cotangents if not isinstance(c, SymbolicZero)]
-        on_workers = not any(isinstance(c, jax.core.Tracer) for c in live)
-        with top_level() if on_workers else nullcontext():
-            # The running totals start from zeros shared by every chunk (arrays are immutable).
-            zeros = [jnp.zeros(shape, dtype) for shape, dtype in avals]
-        if on_workers:
-
-            def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
-                with top_level():
-                    return _backward_chunk(chunks[k], cotangents, zeros, n)
-
-            totals = run_chunks(
-                executor,
-                len(chunks),
-                backward_chunk,
-                reverse=executor.reverse_backward,
-                context=JaxConfig().enter,  # the backward pass's own settings
-            )
-            with top_level():
-                return _sum_in_chunk_order(totals, len(inputs))
-        # Cotangents that are tracers (vmap or jit of the vjp function): the caller's thread.
-        totals = [_backward_chunk(chunk, cotangents, zeros, n) for chunk in chunks]
-        return _sum_in_chunk_order(totals, len(inputs))
-
-    join.defvjp(join_fwd, join_bwd, symbolic_zeros=True)
-    return join
-
-
-def _sum_in_chunk_order(totals: list[dict[int, Any] | None], count: int) -> tuple[Any, ...]:
-    """Each join input's cotangent: its chunk totals added in chunk order (the same sum for any
-    number of workers), in one compiled call; ``None`` where no chunk reached it."""
-    parts: list[list[Any]] = [[] for _ in range(count)]
-    for chunk_total in totals:
-        if chunk_total is not None:
-            for p, g in chunk_total.items():
-                parts[p].append(g)
-    several = [p for p in range(count) if len(parts[p]) > 1]
-    sums = _add_in_order([parts[p] for p in several]) if several else []
-    grads: list[Any] = [ps[0] if len(ps) == 1 else None for ps in parts]
-    for p, g in zip(several, sums):
-        grads[p] = g
-    return tuple(grads)
-
-
-@jax.jit
-def _add_in_order(parts: list[list[Any]]) -> list[Any]:
-    out = []
-    for terms in parts:
-        total = terms[0]
-        for term in terms[1:]:
-            total = total + term
-        out.append(total)
-    return out
-
-
-def _materialize(ct: Any, like: Any) -> Any:
+def materialize(ct: Any, like: Any) -> Any:
+    """A cotangent as an array (a symbolic zero as zeros of ``like``'s type)."""
     if isinstance(ct, SymbolicZero):
         return jnp.zeros(jnp.shape(like), jnp.result_type(like))
     return ct
 
 
 def _backward_chunk(
-    chunk: _Chunk, cotangents: tuple[Any, ...], zeros: list[Any], n: int
-) -> dict[int, Any] | None:
-    """The pullbacks of one chunk's elements, in element order; the totals per join input."""
+    chunk: _Chunk, cotangents: tuple[Any, ...], zeros: Zeros, n: int
+) -> list[Any] | None:
+    """The pullbacks of one chunk's elements, in element order; the totals per boundary tracer
+    (``None`` where none reached it), or ``None`` for a chunk that did no backward work."""
     lo = chunk.outputs[0]
-    total: dict[int, Any] = {}
-    pending = Pending(n, "backward")
+    total: list[Any] = [None] * len(chunk.boundary.tracers)
+    pending = Pending(n, "backward", TMAP)
+    worked = False
+    kept: list[list[tuple[Any, Any]]] = [[] for _ in total]  # kept gradients, by tracer
     for i, el, positions in zip(chunk.indices, chunk.elements, chunk.positions):
         width = len(el.diff)
         cts = cotangents[lo : lo + width]
         lo += width
-        if el.pullback is None or all(isinstance(c, SymbolicZero) for c in cts):
+        if all(isinstance(c, SymbolicZero) for c in cts):
+            continue
+        if el.gradients is not None:  # NOTE [a loss keeps its gradient] in ``_compiled``
+            for p, g in zip(positions, el.gradients):
+                kept[p].append((cts[0], g))
+            continue
+        if el.pullback is None:
             continue
         outs = [el.leaves[j] for j in el.diff]
-        running = [total.get(p, zeros[p]) for p in positions]
+        running = [
+            zeros.like(chunk.boundary.tracers[p]) if total[p] is None else total[p]
+            for p in positions
+        ]
         try:
-            new = el.pullback([_materialize(c, o) for c, o in zip(cts, outs)], running)
+            new = el.pullback([materialize(c, o) for c, o in zip(cts, outs)], running)
         except BaseException as exc:
-            add_note(exc, element_note(i, n, "backward", JAX_API))
+            add_note(exc, element_note(i, n, "backward", TMAP))
             raise
         pending.push(i, new)
         for p, g in zip(positions, new):
             total[p] = g
+        worked = True
     pending.wait()
-    return total or None
+    if any(kept):
+        total = _add_kept(total, kept)
+        worked = True
+    return total if worked else None
+
+
+@jax.jit
+def _add_kept(total: list[Any], kept: list[list[tuple[Any, Any]]]) -> list[Any]:
+    """Each tracer's total plus its kept gradients times their cotangents, in element order."""
+    out = []
+    for t, terms in zip(total, kept):
+        for ct, g in terms:
+            term = g * ct.astype(g.dtype)
+            t = term if t is None else t + term
+        out.append(t)
+    return out
