@@ -80,9 +80,16 @@ class ChunkRecord:
         self.stored = False  # whether ``outputs`` still carry the chunk's graph
 
     def drop_graph(self) -> None:
-        """Keep the results, free the graph."""
+        """Keep the results, free the graph (the outputs and the elements' leaves held it)."""
         if self.stored:
-            self.outputs = [t.detach() for t in self.outputs]
+            self.outputs = outputs = [t.detach() for t in self.outputs]
+            for el in self.elements:
+                if el._leaves is None:
+                    if el.hi > el.lo:
+                        el._tree = outputs[el.lo]
+                elif el._leaves:  # (empty once the join handed the results out)
+                    for o, pos in zip(range(el.lo, el.hi), el.diff):
+                        el._leaves[pos] = outputs[o]
             self.stored = False
 
 

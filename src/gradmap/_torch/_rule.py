@@ -134,7 +134,7 @@ class MapCall:
         seeded = None if placement.many else self.random
 
         def forward_chunk(k: int, run: ChunkRun[ChunkRecord]) -> ChunkRecord:
-            return run_forward(
+            record = run_forward(
                 f,
                 elements,
                 range(*plan.bounds(k)),
@@ -143,6 +143,9 @@ class MapCall:
                 stop=lambda: run.stopped(k),
                 api=self.api,
             )
+            if self.remat:
+                record.drop_graph()  # its boundary is read: free it before the next chunk
+            return record
 
         if placement.many:
 
@@ -243,9 +246,6 @@ def map_torch(
 
 def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
     """Wire the chunks' results into the caller's graph through one join node."""
-    if call.remat:
-        for r in records:
-            r.drop_graph()
     layout: JoinLayout[Tensor] = JoinLayout(
         [r.boundary.tensors for r in records],
         [r.boundary.keys for r in records],
