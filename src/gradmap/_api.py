@@ -1,4 +1,5 @@
-"""``gradmap.tmap``: argument checks, the zip of the iterables, the choice of executor."""
+"""``gradmap.tmap`` and ``gradmap.tsum``: argument checks, the zip of the iterables, the choice of
+executor and of the forward's placement."""
 
 from __future__ import annotations
 
@@ -80,27 +81,19 @@ def tmap(
         >>> w.grad
         tensor(6.)
     """
-    if not callable(f):
-        raise TypeError(f"gradmap.tmap: f must be callable, got {type(f).__name__}")
-    resolved = resolve_executor(executor, workers)
-    if chunksize is not None:
-        check_chunksize(chunksize)  # before any item is read
-    elements = zip_items(iterables, strict)
-    plan = plan_chunks(len(elements), chunksize)
-    if not elements:
+    call = _Call(f, iterables, executor, workers, chunksize, strict, "gradmap.tmap")
+    if not call.elements:
         return []
-    if not resolved.shares_memory:  # chunks in other processes: Ray
-        from ._ray import map_ray
-
-        return map_ray(f, elements, resolved, plan, remat=remat, progress=progress)
+    if not call.executor.shares_memory:  # chunks in other processes: Ray
+        return call.on_ray(remat, progress)
     return map_torch(
         f,
-        elements,
-        resolved,
-        plan,
+        call.elements,
+        call.executor,
+        call.plan,
         remat=remat,
         progress=progress,
-        placement=_placement(executor, workers, resolved),
+        placement=call.placement,
     )
 
 
@@ -145,31 +138,55 @@ def tsum(
         >>> w.grad
         tensor(6.)
     """
-    if not callable(f):
-        raise TypeError(f"gradmap.tsum: f must be callable, got {type(f).__name__}")
-    resolved = resolve_executor(executor, workers)
-    if chunksize is not None:
-        check_chunksize(chunksize)
-    elements = zip_items(iterables, strict)
-    if not elements:
+    call = _Call(f, iterables, executor, workers, chunksize, strict, "gradmap.tsum")
+    if not call.elements:
         raise ValueError(
             "gradmap.tsum: there are no elements to sum, and the sum of nothing has no shape; "
             "check the iterables (or use sum(gradmap.tmap(...), start) with a start value)"
         )
-    plan = plan_chunks(len(elements), chunksize)
-    if not resolved.shares_memory:  # chunks in other processes: Ray maps, the caller sums
-        from ._ray import map_ray
-
-        return sum_results(map_ray(f, elements, resolved, plan, remat=remat, progress=progress))
+    if not call.executor.shares_memory:  # chunks in other processes: Ray maps, the caller sums
+        return sum_results(call.on_ray(remat, progress))
     return sum_torch(
         f,
-        elements,
-        resolved,
-        plan,
+        call.elements,
+        call.executor,
+        call.plan,
         remat=remat,
         progress=progress,
-        placement=_placement(executor, workers, resolved),
+        placement=call.placement,
     )
+
+
+class _Call:
+    """What ``tmap`` and ``tsum`` check and prepare alike: ``f``, the executor, the chunk size
+    (before any item is read), the elements, the plan and the forward's placement."""
+
+    def __init__(
+        self,
+        f: Any,
+        iterables: tuple[Iterable[Any], ...],
+        executor: Any,
+        workers: int | None,
+        chunksize: int | None,
+        strict: bool,
+        api: str,
+    ) -> None:
+        if not callable(f):
+            raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
+        self.f = f
+        self.executor = resolve_executor(executor, workers)
+        if chunksize is not None:
+            check_chunksize(chunksize)
+        self.elements = zip_items(iterables, strict)
+        self.plan = plan_chunks(len(self.elements), chunksize)
+        self.placement = _placement(executor, workers, self.executor)
+
+    def on_ray(self, remat: bool, progress: Any) -> list[Any]:
+        from ._ray import map_ray  # lazy: Ray is an optional extra
+
+        return map_ray(
+            self.f, self.elements, self.executor, self.plan, remat=remat, progress=progress
+        )
 
 
 def _placement(executor: object, workers: int | None, resolved: Executor) -> str:
