@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 import torch
 from torch import nn
@@ -36,12 +37,12 @@ def ex() -> Iterator[RayExecutor]:
     started = not ray.is_initialized()
     ensure_connected(None, {"num_cpus": 2})
     # Functions and classes of this module travel by value (workers cannot import it).
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     executor = RayExecutor(timeout=120)
     try:
         yield executor
     finally:
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         executor.shutdown()
         if started:
             ray.shutdown()

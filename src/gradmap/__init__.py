@@ -19,6 +19,7 @@ __all__ = [
     "SerialExecutor",
     "ThreadExecutor",
     "FuturesExecutor",
+    "ProcessExecutor",
     "RayExecutor",
 ]
 
@@ -30,6 +31,7 @@ _LAZY = {
     "SerialExecutor": "._executors",
     "ThreadExecutor": "._executors",
     "FuturesExecutor": "._executors",
+    "ProcessExecutor": "._process",
     "RayExecutor": "._ray",
 }
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from ._executors import FuturesExecutor as FuturesExecutor
     from ._executors import SerialExecutor as SerialExecutor
     from ._executors import ThreadExecutor as ThreadExecutor
+    from ._process import ProcessExecutor as ProcessExecutor
     from ._ray import RayExecutor as RayExecutor
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._executors import Executor, SerialExecutor, resolve_executor
+from ._executors import Executor, RemoteExecutor, SerialExecutor, resolve_executor
 from ._items import zip_items
 from ._plan import check_chunksize, plan_chunks
-from ._torch._rule import map_torch, sum_results, sum_torch
+from ._torch._rule import map_torch, sum_torch
 
 __all__ = ["tmap", "tsum", "zip_items"]
 
@@ -84,8 +84,8 @@ def tmap(
     call = _Call(f, iterables, executor, workers, chunksize, strict, "gradmap.tmap")
     if not call.elements:
         return []
-    if not call.executor.shares_memory:  # chunks in other processes: Ray
-        return call.on_ray(remat, progress)
+    if not call.executor.shares_memory:  # chunks in other processes: Ray, worker processes
+        return call.remote(remat, progress)  # type: ignore[no-any-return]
     return map_torch(
         f,
         call.elements,
@@ -144,8 +144,8 @@ def tsum(
             "gradmap.tsum: there are no elements to sum, and the sum of nothing has no shape; "
             "check the iterables (or use sum(gradmap.tmap(...), start) with a start value)"
         )
-    if not call.executor.shares_memory:  # chunks in other processes: Ray maps, the caller sums
-        return sum_results(call.on_ray(remat, progress))
+    if not call.executor.shares_memory:  # chunks in other processes: Ray, worker processes
+        return call.remote(remat, progress)
     return sum_torch(
         f,
         call.elements,
@@ -174,6 +174,7 @@ class _Call:
         if not callable(f):
             raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
         self.f = f
+        self.api = api
         self.executor = resolve_executor(executor, workers)
         if chunksize is not None:
             check_chunksize(chunksize)
@@ -181,11 +182,18 @@ class _Call:
         self.plan = plan_chunks(len(self.elements), chunksize)
         self.placement = _placement(executor, workers, self.executor)
 
-    def on_ray(self, remat: bool, progress: Any) -> list[Any]:
-        from ._ray import map_ray  # lazy: Ray is an optional extra
+    def remote(self, remat: bool, progress: Any) -> Any:
+        from ._remote._map import map_remote  # lazy: cloudpickle, and the workers' transport
 
-        return map_ray(
-            self.f, self.elements, self.executor, self.plan, remat=remat, progress=progress
+        assert isinstance(self.executor, RemoteExecutor)
+        return map_remote(
+            self.f,
+            self.elements,
+            self.executor,
+            self.plan,
+            remat=remat,
+            progress=progress,
+            api=self.api,
         )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "SerialExecutor",
     "ThreadExecutor",
     "FuturesExecutor",
+    "RemoteExecutor",
     "available_cores",
     "resolve_executor",
 ]
@@ -194,6 +195,34 @@ class FuturesExecutor(Executor):
         return f"FuturesExecutor({self.executor!r}, workers={self.workers})"
 
 
+class RemoteExecutor(Executor):
+    """Chunks run in other processes (Ray's actors, gradmap's worker processes): the base of the
+    executors whose chunks the rule in ``gradmap._remote`` runs, through their ``transport()``.
+
+    Attributes:
+        timeout: seconds a pass may go without any chunk finishing; ``None``: no limit.
+        start_timeout: seconds a pass may wait for workers to (re)start.
+        share: how ``f``'s leaf tensors travel by reference (``gradmap._remote._pickling.Share``),
+            or ``None`` to send their bytes with every call.
+    """
+
+    shares_memory = False
+    caller_helps = False
+    timeout: float | None = None
+    start_timeout: float = 120.0
+    share: Callable[[object], object] | None = None
+
+    def submit(self, helper: Callable[[], None]) -> None:
+        raise TypeError(
+            f"gradmap: {type(self).__name__} runs chunks in other processes, through "
+            "gradmap._remote, not on helper threads"
+        )
+
+    def transport(self) -> object:
+        """The transport to the workers a map uses, starting them if needed."""
+        raise NotImplementedError
+
+
 def _is_shut_down(executor: concurrent.futures.Executor) -> bool:
     return bool(getattr(executor, "_shutdown", False) or getattr(executor, "_broken", False))
 
@@ -204,9 +233,16 @@ def _ray_executor(workers: int | None) -> Executor:
     return RayExecutor(workers)
 
 
+def _process_executor(workers: int | None) -> Executor:
+    from ._process import default_executor  # lazy: starts no process until a map needs one
+
+    return default_executor(workers)
+
+
 _NAMES: dict[str, Callable[[int | None], Executor]] = {
     "threads": ThreadExecutor,
     "serial": SerialExecutor,
+    "processes": _process_executor,
     "ray": _ray_executor,
 }
 

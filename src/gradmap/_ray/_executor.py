@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from .._executors import Executor, available_cores
+from .._executors import RemoteExecutor, available_cores
 from ._cluster import RAY_MISSING, ensure_connected, ray_installed
 
 __all__ = ["RayExecutor"]
@@ -18,7 +17,7 @@ def _positive(name: str, value: Any, allow_none: bool = True) -> None:
         raise ValueError(f"gradmap.RayExecutor: {name} must be a positive int, got {value!r}")
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteExecutor):
     """Chunks run on Ray actors, in other processes (or on other machines).
 
     ``gradmap.tmap(f, xs, executor="ray")`` (or ``executor=gradmap.RayExecutor(...)``) runs each
@@ -27,7 +26,7 @@ class RayExecutor(Executor):
     loop, to the items and to every tensor ``f`` uses, and bitwise the same from run to run and
     for any ``workers``. ``f`` and the items must be picklable (cloudpickle); the results come
     back by pickle. An actor that dies mid-map has its chunks recomputed elsewhere, with the same
-    gradients. See ``gradmap/_ray/_map.py`` for the design notes.
+    gradients. See ``gradmap/_remote/_map.py`` for the design notes.
 
     Arguments:
         workers: actors that run the chunks of one map. Default: all of the pool's, which holds
@@ -43,8 +42,6 @@ class RayExecutor(Executor):
         init_kwargs: more keyword arguments for the ``ray.init`` call gradmap makes.
     """
 
-    shares_memory = False
-    caller_helps = False
     name = "ray"
 
     def __init__(
@@ -85,13 +82,13 @@ class RayExecutor(Executor):
     def workers(self, value: int) -> None:
         self._workers = value
 
-    def submit(self, helper: Callable[[], None]) -> None:
-        raise TypeError(
-            "gradmap.RayExecutor runs chunks in other processes, through gradmap._ray.map_ray, "
-            "not on helper threads"
-        )
-
     # -- the actors ------------------------------------------------------------------------
+
+    def transport(self) -> Any:
+        """Calls to the actors a map uses (connecting to Ray and starting the pool if needed)."""
+        from ._transport import RayTransport
+
+        return RayTransport(self.actors())
 
     def actors(self) -> list[Any]:
         """The actor handles a map uses, connecting to Ray and starting the pool if needed."""

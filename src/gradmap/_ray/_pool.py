@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from ._worker import Worker
+from ._transport import RayHost
 
 __all__ = ["WorkerPool", "get_pool", "shutdown_pools"]
 
@@ -125,7 +125,7 @@ def get_pool(ray: Any, threads: int, start_timeout: float) -> WorkerPool:
                 "for life, so free some (fewer actors of your own, or another RayExecutor's "
                 "shutdown()) or lower threads_per_worker"
             )
-        remote = ray.remote(Worker).options(
+        remote = ray.remote(RayHost).options(
             num_cpus=threads, max_restarts=-1, max_task_retries=0, max_concurrency=1
         )
         actors = [remote.remote(threads) for _ in range(count)]

@@ -1,4 +1,7 @@
-"""Running the chunks of one pass on the actors: dynamic assignment, lost workers, errors.
+"""Running the chunks of one pass on the workers: dynamic assignment, lost workers, errors.
+
+The workers are Ray actors or gradmap's worker processes; this module sees them through a
+[`Transport`][] only (an index per worker, calls that return handles, a wait).
 
 NOTE [a pass over the actors]:
     A call carries a batch of chunks, sized as in guided self-scheduling: the actor with room
@@ -16,7 +19,7 @@ NOTE [a pass over the actors]:
 
     A call can end four ways:
     - a result: handed to ``on_result``;
-    - :data:`~gradmap._ray._worker.LOST` (the owner no longer holds the chunk: it was restarted
+    - :data:`~gradmap._remote._host.LOST` (the owner no longer holds the chunk: it was restarted
       after its process died): the chunk becomes a free *recompute* job;
     - a lost actor (its process died, or Ray cannot reach it; Ray restarts the actor, without the
       state it had): the chunk goes again, as a recompute for an owned chunk, to another actor;
@@ -30,8 +33,8 @@ NOTE [a pass over the actors]:
     A chunk that loses its actor more than ``max_attempts`` times fails with a ``RuntimeError``, so
     does a pass whose actors are all lost for ``restart_timeout`` seconds, and with ``timeout``
     set, a pass in which no call finishes for that long fails with a ``TimeoutError``: never a
-    hang, never a wrong gradient. The driver waits with ``ray.wait`` in
-    slices of a second, so ``KeyboardInterrupt`` reaches it; queued calls are then cancelled.
+    hang, never a wrong gradient. The driver waits in slices of a second, so ``KeyboardInterrupt``
+    reaches it; queued calls are then cancelled.
 """
 
 from __future__ import annotations
@@ -42,14 +45,58 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._errors import add_note
-from ._worker import LOST
+from ._host import LOST
 
-__all__ = ["Job", "run_pass"]
+__all__ = ["Job", "Transport", "WorkerLost", "run_pass"]
 
-#: How a batch of chunks is run: ``(jobs, actor index, recompute) -> ObjectRef`` of a list with
-#: one value per job.
+#: How a batch of chunks is run: ``(jobs, worker index, recompute) -> handle`` of a call whose
+#: value is a list with one value per job.
 Submit = Callable[[list["Job"], int, bool], Any]
+
+
+class WorkerLost(Exception):
+    """A call's worker died (or cannot be reached) before it answered."""
+
+
+class Transport:
+    """How the driver reaches its workers: what Ray and the local processes each implement.
+
+    Attributes:
+        name: the executor's name, for errors (``"ray"``, ``"processes"``).
+        workers: the number of workers (indices ``0..workers-1``).
+        depth: calls in flight per worker.
+    """
+
+    name = "remote"
+    depth = 2
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def call(self, worker: int, method: str, *args: Any) -> Any:
+        """Start ``method(*args)`` on a worker's host; return a handle of the call."""
+        raise NotImplementedError
+
+    def wait(self, handles: list[Any], timeout: float) -> list[Any]:
+        """The handles (some of ``handles``) whose calls have ended, waiting at most ``timeout``
+        seconds for one."""
+        raise NotImplementedError
+
+    def get(self, handle: Any) -> Any:
+        """An ended call's value; raises [`WorkerLost`][], or the exception the call raised (the
+        worker's traceback as a note)."""
+        raise NotImplementedError
+
+    def cancel(self, handle: Any) -> None:
+        """Forget a call (its value, if it comes, is dropped)."""
+
+    def box(self, payload: bytes) -> Any:
+        """What a call passes for a payload every chunk of a map shares (``f``)."""
+        return payload
+
+    def release(self, call_id: str) -> None:
+        """Tell every worker to forget a map (fire and forget)."""
+
 
 #: A call takes ``1 / (GUIDED * actors)`` of the chunks left.
 GUIDED = 2
@@ -68,45 +115,12 @@ class Job:
         self.attempts = 0
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The exception ``f`` raised, out of Ray's ``RayTaskError`` wrapper, with the worker's
-    traceback as a note."""
-    from ray.exceptions import RayTaskError
-
-    if not isinstance(exc, RayTaskError):
-        return exc
-    cause = getattr(exc, "cause", None)
-    if not isinstance(cause, BaseException):
-        return exc
-    trace = getattr(exc, "traceback_str", "")
-    if trace:
-        add_note(cause, "gradmap.tmap: the Ray worker's traceback:\n" + trace.rstrip())
-    return cause
-
-
-def _lost_actor(exc: BaseException) -> bool:
-    from ray.exceptions import (
-        ObjectLostError,
-        RayActorError,
-        RayTaskError,
-        TaskCancelledError,
-        WorkerCrashedError,
-    )
-
-    system = (RayActorError, WorkerCrashedError, ObjectLostError, TaskCancelledError)
-    if isinstance(exc, RayTaskError):
-        return isinstance(getattr(exc, "cause", None), system)
-    return isinstance(exc, system)
-
-
 def run_pass(
-    actors: int,
+    transport: Transport,
     jobs: Sequence[Job],
     submit: Submit,
     on_result: Callable[[int, int, Any], None],
-    ping: Callable[[int], Any],
     *,
-    depth: int = 2,
     timeout: float | None = None,
     restart_timeout: float = 120.0,
     max_attempts: int = 3,
@@ -115,12 +129,10 @@ def run_pass(
     """Run ``jobs`` on ``actors`` actors; see NOTE [a pass over the actors].
 
     Arguments:
-        actors: the number of actors (indices ``0..actors-1``).
+        transport: the workers (the actors).
         jobs: the chunks to run, in the order to start them.
-        submit: starts one call on a batch of jobs and returns its ``ObjectRef``.
+        submit: starts one call on a batch of jobs and returns its handle.
         on_result: called with ``(chunk, actor, value)`` for each chunk's result.
-        ping: starts a call that only answers (is the actor back?) and returns its ``ObjectRef``.
-        depth: calls in flight per actor.
         timeout: seconds without any call finishing before the pass fails; ``None``: no limit.
         restart_timeout: seconds the pass may have no actor to run on before it fails.
         max_attempts: lost actors one chunk may meet before the pass fails.
@@ -129,8 +141,7 @@ def run_pass(
     Raises:
         The first (lowest chunk's) exception of ``f``, or RuntimeError / TimeoutError.
     """
-    import ray
-
+    actors, depth, name = transport.workers, transport.depth, transport.name
     owned: list[deque[Job]] = [deque() for _ in range(actors)]
     free: deque[Job] = deque()
     for first in jobs:
@@ -147,9 +158,9 @@ def run_pass(
             failures.setdefault(
                 job.chunk,
                 RuntimeError(
-                    f"gradmap.tmap: {describe(job.chunk)} lost its Ray worker {job.attempts} "
-                    "times; giving up (see the Ray logs for why the workers died: a crash in f, "
-                    "or too little memory?)"
+                    f"gradmap: {describe(job.chunk)} lost its worker ({name}) {job.attempts} "
+                    "times; giving up (why did the workers die: a crash in f, or too little "
+                    "memory? Ray's logs say, for Ray)"
                 ),
             )
         if job.owner is not None:
@@ -206,7 +217,7 @@ def run_pass(
             for a, when in list(probe_at.items()):
                 if when <= now:
                     del probe_at[a]
-                    inflight[ping(a)] = (None, a)
+                    inflight[transport.call(a, "pid")] = (None, a)
             if not working():
                 last = now  # nothing was in flight: no call is late
             fill()
@@ -216,23 +227,23 @@ def run_pass(
                 down_since = now
             elif now - down_since > restart_timeout:
                 raise RuntimeError(
-                    f"gradmap.tmap: every Ray worker of this map was lost and none came back "
+                    f"gradmap: every worker ({name}) of this map was lost and none came back "
                     f"within {restart_timeout} s"
                 )
             if timeout is not None and working() and now - last > timeout:
                 raise TimeoutError(
-                    f"gradmap.tmap: no chunk finished on the Ray workers in {timeout} s "
+                    f"gradmap: no chunk finished on the workers ({name}) in {timeout} s "
                     f"({working()} in flight)"
                 )
             wait = 1.0 if not probe_at else max(0.0, min(1.0, min(probe_at.values()) - now))
             if not inflight:
                 time.sleep(wait)
                 continue
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait)
+            ready = transport.wait(list(inflight), wait)
             for ref in ready:
                 batch, actor = inflight.pop(ref)
                 try:
-                    values = ray.get(ref)
+                    values = transport.get(ref)
                 except BaseException as exc:
                     if batch is None:  # a ping: not back yet
                         if not isinstance(exc, Exception):
@@ -240,12 +251,12 @@ def run_pass(
                         probe_at[actor] = time.monotonic() + _PING_INTERVAL
                         continue
                     load[actor] -= 1
-                    if _lost_actor(exc):
+                    if isinstance(exc, WorkerLost):
                         on_lost(actor)
                         for job in batch:
                             requeue(job)
                     elif isinstance(exc, Exception):
-                        failures.setdefault(batch[0].chunk, _unwrap(exc))
+                        failures.setdefault(batch[0].chunk, exc)
                     else:
                         raise
                     continue
@@ -262,7 +273,7 @@ def run_pass(
     except BaseException:
         for ref in inflight:
             with contextlib.suppress(Exception):  # a call that cannot be cancelled runs out
-                ray.cancel(ref)
+                transport.cancel(ref)
         raise
     if failures:
         raise failures[min(failures)]

@@ -1,4 +1,5 @@
-"""Pickling for the Ray executor: a tensor that requires grad travels as an identity.
+"""Pickling for executors in other processes (Ray, local processes): a tensor that requires grad
+travels as an identity.
 
 NOTE [tensors travel as identities]:
     On the driver, ``f`` (once per call) and each chunk's items are pickled with cloudpickle by a
@@ -22,22 +23,42 @@ NOTE [tensors travel as identities]:
 
     Functions and classes of importable modules are pickled by reference (cloudpickle's rule):
     the worker imports them, and their *module globals* are the worker's own. A tensor that
-    requires grad reached that way is not the caller's; the worker refuses it (see ``_worker``).
+    requires grad reached that way is not the caller's; the worker refuses it (see ``_host``).
+
+    A transport may also pass ``share``: then the leaf tensors of ``f``'s payload (parameters,
+    buffers, closure constants) travel as handles to shared memory instead of their bytes
+    (NOTE [parameters in shared memory] in ``gradmap._process``), so the payload is the same
+    bytes from call to call while ``f`` is unchanged, and an optimizer's in-place step is seen
+    by the workers without sending anything.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import torch
-from ray import cloudpickle
 from torch import nn
 
-__all__ = ["LeafTable", "TensorTable", "dumps", "dumps_results", "loads", "loads_results"]
-
 Tensor = torch.Tensor
+
+__all__ = [
+    "LeafTable",
+    "Share",
+    "TensorTable",
+    "dumps",
+    "dumps_results",
+    "loads",
+    "loads_results",
+]
+
+#: How a transport sends a leaf tensor by reference: ``share(t)`` returns a picklable stand-in
+#: for ``t``'s value (it unpickles to a tensor on the worker), or ``None`` to send its bytes.
+Share = Callable[[Tensor], Any]
+
 
 _PID_TAG = "gradmap.grad"
 _DETACHED_TAG = "gradmap.detached"
@@ -70,18 +91,24 @@ class TensorTable:
         tensors: the originals, by pid.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, share: Share | None = None) -> None:
         self.tensors: list[Tensor] = []
-        self._refs: dict[int, tuple[str, int, Tensor, bool]] = {}
+        self._refs: dict[int, tuple[str, int, Any, bool]] = {}
+        self.share = share  # for ``f``'s payload only (``dumps(..., share=True)``)
 
-    def ref(self, t: Tensor) -> tuple[str, int, Tensor, bool]:
+    def ref(self, t: Tensor, share: Share | None = None) -> tuple[str, int, Any, bool]:
         """The persistent id of ``t``: the same tuple object every time, so that a payload that
         holds ``t`` twice carries its value once (pickle memoizes the tuple)."""
         ref = self._refs.get(id(t))
         if ref is None:
             pid = len(self.tensors)
             self.tensors.append(t)  # also keeps id(t) from being reused
-            ref = (_PID_TAG, pid, t.detach(), isinstance(t, nn.Parameter))
+            value = None
+            if share is not None and t.is_leaf:
+                value = share(t)
+            if value is None:
+                value = t.detach()
+            ref = (_PID_TAG, pid, value, isinstance(t, nn.Parameter))
             self._refs[id(t)] = ref
         return ref
 
@@ -101,6 +128,13 @@ class LeafTable:
             self._pids[id(leaf)] = pid
         return leaf
 
+    def copy(self) -> LeafTable:
+        """A table with the same leaves so far (a worker's start for a call of a kept ``f``)."""
+        table = LeafTable()
+        table.leaves = dict(self.leaves)
+        table._pids = dict(self._pids)
+        return table
+
     def pid(self, t: Tensor) -> int | None:
         """The pid of ``t`` if it is one of the leaves, else ``None``."""
         return self._pids.get(id(t))
@@ -109,19 +143,26 @@ class LeafTable:
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle, with tensors that require grad replaced (by ``table`` ids, or detached)."""
 
-    def __init__(self, file: io.BytesIO, table: TensorTable | None) -> None:
+    def __init__(
+        self, file: io.BytesIO, table: TensorTable | None, share: Share | None = None
+    ) -> None:
         super().__init__(file, protocol=5)
         self._table = table
+        self._share = share
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, Tensor) and obj.requires_grad:
             if self._table is not None:
-                return self._table.ref(obj)
+                return self._table.ref(obj, self._share)
             return (_DETACHED_TAG, obj.detach())
         return None
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is Tensor:
+            if self._share is not None:
+                shared = self._share(obj)
+                if shared is not None:
+                    return _identity, (shared,)
             return _reduce_tensor(obj)
         return super().reducer_override(obj)
 
@@ -139,10 +180,15 @@ class _Unpickler(pickle.Unpickler):
         return self._leaves.leaf(number, value, is_parameter)
 
 
-def dumps(obj: Any, table: TensorTable) -> bytes:
-    """Pickle ``obj`` on the driver, numbering its tensors that require grad in ``table``."""
+def _identity(value: Any) -> Any:
+    return value
+
+
+def dumps(obj: Any, table: TensorTable, share: bool = False) -> bytes:
+    """Pickle ``obj`` on the driver, numbering its tensors that require grad in ``table``; with
+    ``share``, its leaf tensors travel by ``table.share`` where that gives a reference."""
     buffer = io.BytesIO()
-    _Pickler(buffer, table).dump(obj)
+    _Pickler(buffer, table, table.share if share else None).dump(obj)
     return buffer.getvalue()
 
 

@@ -1,4 +1,6 @@
-"""The worker: a Ray actor that runs chunks of calls, keeps their graphs, and pulls them back.
+"""The host: a worker process (a Ray actor, or one of gradmap's worker processes) that runs chunks
+of calls, keeps their graphs, and pulls them back. Ray and the local processes differ only in how
+calls reach it (the transport); what it does is here, once.
 
 It hosts the same chunk record as the thread executor (``_torch/_chunk.py``): a chunk's forward is
 ``run_forward`` -- ``f`` untouched, random numbers seeded per element, the boundary read off the
@@ -14,6 +16,8 @@ Methods (the work methods take a batch of consecutive chunks and answer per chun
         was restarted, or the state was released).
     ``recompute``: the stateless pullback: run a chunk's forward again from its items and pull
         it back at once (``remat=True``, and chunks whose actor was lost).
+    ``forward_sum``: ``tsum``'s chunk: its forward and, for a chunk of losses, its pullback with
+        cotangent one at once; nothing is kept.
     ``release``: forget a call.
 """
 
@@ -23,18 +27,18 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 
 from .._errors import add_note, element_note
-from .._torch._chunk import ACCUMULATE, ChunkRecord, pull_back, run_forward
+from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
 from .._torch._graph import Known
 from .._torch._random import MapRandom
 from .._torch._state import ThreadState
 from ._pickling import LeafTable, dumps_results, loads
 
-__all__ = ["LOST", "CallSpec", "Worker", "in_worker"]
+__all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "in_worker"]
 
 Tensor = torch.Tensor
 
@@ -45,7 +49,7 @@ _in_worker = False
 
 
 def in_worker() -> bool:
-    """Whether this process is one of gradmap's Ray workers."""
+    """Whether this process is one of gradmap's workers (a Ray actor or a worker process)."""
     return _in_worker
 
 
@@ -83,6 +87,7 @@ class CallSpec:
             travel by itself).
         graph: record graphs (grad mode on, not inference).
         remat: keep no graph in the forward.
+        api: ``"gradmap.tmap"`` or ``"gradmap.tsum"``, for errors.
     """
 
     n: int
@@ -91,6 +96,7 @@ class CallSpec:
     default_dtype: torch.dtype
     graph: bool
     remat: bool
+    api: str = "gradmap.tmap"
 
 
 @contextmanager
@@ -132,6 +138,7 @@ class _CallState:
     leaves: LeafTable
     seed: ShippedSeed
     known: Known
+    api: str
     chunks: dict[int, _Kept] = field(default_factory=dict)
 
 
@@ -139,8 +146,16 @@ class ForeignTensorError(RuntimeError):
     """``f`` used a tensor that requires grad and did not travel from the caller."""
 
 
-class Worker:
-    """The actor class (wrapped with ``ray.remote`` by the pool)."""
+class Host:
+    """What a worker process runs: the chunks of maps, by call.
+
+    A transport subclasses it to say how ``f``'s payload arrives (``load_f``): Ray's actors get it
+    from the object store; gradmap's worker processes keep the payloads they were sent, by
+    digest, and the functions unpickled from them.
+    """
+
+    #: The executor's name, for errors (``executor='ray'``).
+    executor = "ray"
 
     def __init__(self, threads: int) -> None:
         global _in_worker
@@ -148,6 +163,10 @@ class Worker:
         self._threads = threads
         torch.set_num_threads(threads)
         self._calls: dict[str, _CallState] = {}
+
+    def load_f(self, box: Any) -> tuple[Any, LeafTable]:
+        """``f`` unpickled from the payload ``box`` stands for, and the leaves it holds."""
+        raise NotImplementedError
 
     # -- small methods ---------------------------------------------------------------------
 
@@ -163,20 +182,20 @@ class Worker:
 
     # -- the work ----------------------------------------------------------------------------
 
-    def _call(self, call_id: str, box: list[Any]) -> _CallState:
+    def _call(self, call_id: str, box: Any, spec: CallSpec) -> _CallState:
         state = self._calls.get(call_id)
         if state is None:
-            import ray
-
-            leaves = LeafTable()
-            f, spec = loads(ray.get(box[0]), leaves)
+            f, leaves = self.load_f(box)
             known = Known(f, (), eager=False)
-            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state), known)
+            api = f"{spec.api}(executor={self.executor!r})"
+            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state), known, api)
             self._calls[call_id] = state
         self._check_threads()
         return state
 
-    def forward(self, call_id: str, box: list[Any], chunks: list[tuple[int, int, bytes]]) -> list:
+    def forward(
+        self, call_id: str, box: Any, spec: CallSpec, chunks: list[tuple[int, int, bytes]]
+    ) -> list:
         """Run chunks, each given as ``(chunk, start, items)``; keep their graphs if there are.
 
         Returns:
@@ -185,7 +204,7 @@ class Worker:
             leaves; the pids of the caller's tensors the chunk used; whether this actor has drawn
             the map's seed.
         """
-        state = self._call(call_id, box)
+        state = self._call(call_id, box, spec)
         return [self._forward(state, k, start, items) for k, start, items in chunks]
 
     def _forward(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
@@ -199,12 +218,14 @@ class Worker:
                     try:
                         results.append(state.f(*args))
                     except BaseException as exc:
-                        add_note(exc, element_note(i, spec.n, "forward"))
+                        add_note(exc, element_note(i, spec.n, "forward", state.api))
                         raise
             return dumps_results((results, None, [], False))
         window = cast(list, _Window(local, start, spec.n))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
-            record = run_forward(state.f, window, indices, known=state.known, random=state.seed)
+            record = run_forward(
+                state.f, window, indices, known=state.known, random=state.seed, api=state.api
+            )
         if spec.remat:
             record.drop_graph()
         pids = _pids(state, record)
@@ -243,10 +264,78 @@ class Worker:
             out.append(dumps_results(_by_pid(kept.pids, grads)))
         return out
 
+    def forward_sum(
+        self, call_id: str, box: Any, spec: CallSpec, chunks: list[tuple[int, int, bytes]]
+    ) -> list:
+        """``tsum``'s chunks, each given as ``(chunk, start, items)``: the forward, and for a
+        chunk whose results are all 0-d (losses), its pullback with cotangent one at once
+        (NOTE [tsum pulls back during the forward] in ``_torch/_rule``); such a chunk keeps
+        nothing. Any other chunk is kept as ``forward`` keeps it.
+
+        Returns:
+            For each chunk, the pickled ``("sum", total, [(pid, gradient), ...], drawn)`` of a
+            chunk of losses (its detached sum, and the gradients of that sum), or what
+            ``forward`` returns for it.
+        """
+        state = self._call(call_id, box, spec)
+        return [self._forward_sum(state, k, start, items) for k, start, items in chunks]
+
+    def _forward_sum(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
+        spec = state.spec
+        if not spec.graph or spec.remat:
+            return self._forward(state, k, start, items)
+        local = cast(list, loads(items, state.leaves))
+        indices = range(start, start + len(local))
+        window = cast(list, _Window(local, start, spec.n))
+        with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+            record = run_forward(
+                state.f, window, indices, known=state.known, random=state.seed, api=state.api
+            )
+            losses = bool(record.outputs) and all(
+                len(el.diff) == 1 and len(el.leaves) == 1 and el.leaves[0].dim() == 0
+                for el in record.elements
+            )
+            grads = None
+            if losses:
+                pids = _pids(state, record)
+                grads = pull_back_sum(record, n=spec.n, owner=state, api=state.api)
+                if grads is ACCUMULATE:
+                    _reentrant(state)
+                if grads is DEFERRED:  # it failed: run it again, to raise with the element named
+                    grads = _pull_back(
+                        self._rerun(state, start, local),
+                        tuple(torch.ones_like(t) for t in record.outputs),
+                        state,
+                    )
+        if not losses:
+            state.chunks[k] = _Kept(record, _pids(state, record))
+            return dumps_results(
+                (
+                    [_detached_tree(el) for el in record.elements],
+                    [el.diff for el in record.elements],
+                    sorted(set(state.chunks[k].pids)),
+                    state.seed.drawn,
+                )
+            )
+        total = torch.stack([t.detach() for t in record.outputs]).sum()
+        return dumps_results(("sum", total, _by_pid(pids, grads), state.seed.drawn))
+
+    def _rerun(self, state: _CallState, start: int, local: list[Any]) -> ChunkRecord:
+        window = cast(list, _Window(local, start, state.spec.n))
+        return run_forward(
+            state.f,
+            window,
+            range(start, start + len(local)),
+            known=state.known,
+            random=state.seed,
+            api=state.api,
+        )
+
     def recompute(
         self,
         call_id: str,
-        box: list[Any],
+        box: Any,
+        spec: CallSpec,
         chunks: list[tuple[int, bytes, list[list[int]], bytes]],
         backward_state: ThreadState,
     ) -> list:
@@ -262,7 +351,7 @@ class Worker:
         Returns:
             For each chunk, its pickled gradients, as ``backward`` returns them.
         """
-        state = self._call(call_id, box)
+        state = self._call(call_id, box, spec)
         return [
             self._recompute(state, start, items, diff, cotangents, backward_state)
             for start, items, diff, cotangents in chunks
@@ -288,6 +377,7 @@ class Worker:
                 range(start, start + len(local)),
                 known=state.known,
                 random=state.seed,
+                api=state.api,
             )
         pids = _pids(state, fresh)
         # The cotangent of each fresh join output, found by (element, leaf position).
@@ -310,14 +400,18 @@ class Worker:
 
 
 def _pull_back(record: ChunkRecord, cots: Any, state: _CallState) -> Any:
-    grads = pull_back(record, cots, n=state.spec.n, owner=state)
+    grads = pull_back(record, cots, n=state.spec.n, owner=state, api=state.api)
     if grads is ACCUMULATE:
-        raise RuntimeError(
-            "gradmap.tmap(executor='ray'): f uses torch.utils.checkpoint with use_reentrant=True, "
-            "which can only run under a plain .backward() in the caller's process. Use "
-            "use_reentrant=False, or the thread executor."
-        )
+        _reentrant(state)
     return grads
+
+
+def _reentrant(state: _CallState) -> NoReturn:
+    raise RuntimeError(
+        f"{state.api}: f uses torch.utils.checkpoint with use_reentrant=True, which can only run "
+        "under a plain .backward() in the caller's process. Use use_reentrant=False, or the "
+        "thread executor."
+    )
 
 
 def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
@@ -327,13 +421,12 @@ def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
         pid = state.leaves.pid(t)
         if pid is None:
             raise ForeignTensorError(
-                "gradmap.tmap(executor='ray'): f used a tensor that requires grad but did not "
-                f"come from the caller (shape {tuple(t.shape)}): the worker's own copy of a "
-                "module global, or a tensor f cached on the worker. Only tensors reachable "
-                "from f and the items travel (cloudpickle pickles functions of importable "
-                "modules by reference, so their globals are the worker's): pass the tensor "
-                "as an attribute, closure or item, or register the module with "
-                "ray.cloudpickle.register_pickle_by_value."
+                f"{state.api}: f used a tensor that requires grad but did not come from the "
+                f"caller (shape {tuple(t.shape)}): the worker's own copy of a module global, or "
+                "a tensor f cached on the worker. Only tensors reachable from f and the items "
+                "travel (cloudpickle pickles functions of importable modules by reference, so "
+                "their globals are the worker's): pass the tensor as an attribute, closure or "
+                "item, or register the module with cloudpickle.register_pickle_by_value."
             )
         pids.append(pid)
     return pids

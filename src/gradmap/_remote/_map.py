@@ -1,10 +1,12 @@
-"""The rule on Ray: chunk forwards on actors, one join node on the driver, pullbacks where the
-graphs live, a fixed-order sum.
+"""The rule in other processes: chunk forwards on workers, one join node on the driver,
+pullbacks where the graphs live, a fixed-order sum. Ray's actors and gradmap's worker processes
+both run it; they differ only in the transport (``_schedule.Transport``).
 
-NOTE [the map on Ray]:
+NOTE [the map in other processes]:
     The thread executor's rule (``_torch/_rule.py``) with the chunks in other processes:
 
-    - Identity. ``f`` is pickled once per call and put in Ray's object store; each chunk's items
+    - Identity. ``f`` is pickled once per call (and sent once per worker while its payload is
+      unchanged: Ray's object store, or the processes' payloads by digest); each chunk's items
       are pickled when the chunk is first sent. Every tensor that requires grad reachable from
       them travels as an id (NOTE [tensors travel as identities]); the driver keeps id ->
       original. On a worker they are leaves, so a chunk's graph ends at them: its boundary
@@ -35,14 +37,20 @@ NOTE [the map on Ray]:
       the base the thread executor would draw (``ShippedSeed``), so a random ``f`` gives the
       same results on Ray as on threads.
 
-    Not supported on Ray: a ``create_graph=True`` backward through the map (double backward),
-    which raises ``NotImplementedError``; ``torch.func`` transforms and forward AD run the plain
-    loop in the caller's process, as with threads. A ``tmap`` inside ``f`` on a worker runs there,
-    with the serial executor.
+    - ``tsum``: each chunk's forward and, for a chunk of losses (0-d results), its pullback with
+      cotangent one run in one call, and the worker keeps nothing; the join takes each such
+      chunk's sum as one output, and its backward scales the chunk's gradients by that output's
+      cotangent, with no call to the workers. Other chunks are kept as ``tmap``'s.
+
+    Not supported in other processes: a ``create_graph=True`` backward through the map (double
+    backward), which raises ``NotImplementedError`` naming the thread executor; ``torch.func``
+    transforms and forward AD run the plain loop in the caller's process, as with threads. A
+    ``tmap`` inside ``f`` on a worker runs there, with the serial executor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 import weakref
 from typing import Any
@@ -50,36 +58,28 @@ from typing import Any
 import torch
 
 from .._errors import add_note
-from .._executors import Executor, SerialExecutor
+from .._executors import RemoteExecutor, SerialExecutor
 from .._join import sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
+from .._torch._graph import keep_graph
 from .._torch._graph import transforms_active as _transforms_active
-from .._torch._rule import map_torch
+from .._torch._rule import map_torch, sum_results
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
-from ._cluster import import_ray
-from ._executor import RayExecutor
+from ._host import CallSpec, in_worker
 from ._pickling import TensorTable, dumps, dumps_results, loads_results
-from ._schedule import Job, run_pass
-from ._worker import CallSpec, in_worker
+from ._schedule import Job, Transport, run_pass
 
-__all__ = ["map_ray"]
+__all__ = ["map_remote"]
 
 Tensor = torch.Tensor
 
 
-def _release(actors: list[Any], call_id: str) -> None:
-    """Tell every actor to forget a call (fire and forget; nothing to do once Ray is down)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return
-        for actor in actors:
-            actor.release.remote(call_id)
-    except Exception:  # pragma: no cover - interpreter shutdown, a lost connection
-        pass
+def _release(transport: Transport, call_id: str) -> None:
+    # Fire and forget; nothing to do at interpreter shutdown or over a lost connection.
+    with contextlib.suppress(Exception):
+        transport.release(call_id)
 
 
 class _Call:
@@ -87,31 +87,34 @@ class _Call:
 
     def __init__(
         self,
-        actors: list[Any],
+        transport: Transport,
         f_payload: bytes,
+        spec: CallSpec,
         table: TensorTable,
         plan: ChunkPlan,
-        executor: RayExecutor,
+        executor: RemoteExecutor,
         remat: bool,
         progress: Any,
     ) -> None:
-        ray = import_ray()
         self.id = uuid.uuid4().hex
-        self.actors = actors
+        self.transport = transport
+        self.api = f"{spec.api}(executor={transport.name!r})"
+        self.spec = spec
         self.table = table
         self.plan = plan
         self.timeout = executor.timeout
         self.restart_timeout = executor.start_timeout
         self.remat = remat
         self.progress = progress
-        self.box = [ray.put(f_payload)]  # a list: Ray passes the ref itself, not its value
+        self.box = transport.box(f_payload)
         self.items: list[bytes | None] = [None] * plan.count
         self.owners = [-1] * plan.count
         self.diff: list[list[list[int]]] = [[] for _ in range(plan.count)]
         self.bounds: list[tuple[int, int]] = []
         self.inputs: list[int] = []  # the pids of the join's inputs
         self.outputs: list[Tensor] = []  # the join outputs, until the join is applied
-        self._finalizer = weakref.finalize(self, _release, actors, self.id)
+        self.early: dict[int, list[tuple[int, Tensor]]] = {}  # tsum's chunks of losses
+        self._finalizer = weakref.finalize(self, _release, transport, self.id)
         self._finalizer.atexit = False
 
     def release(self) -> None:
@@ -119,11 +122,10 @@ class _Call:
 
     def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:
         run_pass(
-            len(self.actors),
+            self.transport,
             jobs,
             submit,
             on_result,
-            lambda a: self.actors[a].pid.remote(),
             timeout=self.timeout,
             restart_timeout=self.restart_timeout,
             describe=self._describe,
@@ -140,13 +142,14 @@ class _Call:
             try:
                 payload = dumps(elements[start:stop], self.table)
             except Exception as exc:
-                add_note(exc, _unpicklable(elements, start, stop))
+                add_note(exc, _unpicklable(elements, start, stop, self.api))
                 raise
             self.items[k] = payload
         return payload
 
-    def forward(self, elements: list[tuple[Any, ...]]) -> list[tuple[list[Any], Any]]:
-        """Run every chunk's forward; the results of each chunk, in chunk order."""
+    def forward(self, elements: list[tuple[Any, ...]], method: str = "forward") -> list[Any]:
+        """Run every chunk's forward; the results of each chunk, in chunk order: ``(trees,
+        diff)``, or for a ``forward_sum`` chunk of losses ``(None, total)``."""
         plan = self.plan
         per_chunk: list[Any] = [None] * plan.count
         used: set[int] = set()
@@ -157,17 +160,24 @@ class _Call:
             chunks = [
                 (j.chunk, plan.bounds(j.chunk)[0], self.pack_items(elements, j.chunk)) for j in jobs
             ]
-            return self.actors[a].forward.remote(self.id, self.box, chunks)
+            return self.transport.call(a, method, self.id, self.box, self.spec, chunks)
 
         def on_result(k: int, a: int, value: bytes) -> None:
             nonlocal drawn
-            trees, diff, pids, chunk_drawn = loads_results(value)
-            per_chunk[k] = (trees, diff)
-            self.owners[k] = a
-            used.update(pids)
+            got = loads_results(value)
+            if got[0] == "sum":
+                _, total, grads, chunk_drawn = got
+                per_chunk[k] = (None, total)
+                self.early[k] = grads
+                used.update(pid for pid, _ in grads)
+            else:
+                trees, diff, pids, chunk_drawn = got
+                per_chunk[k] = (trees, diff)
+                self.owners[k] = a
+                used.update(pids)
             drawn = drawn or chunk_drawn
             if bar is not None:
-                bar.update(len(trees))
+                bar.update(len(range(*plan.bounds(k))))
 
         try:
             self._run([Job(k, None) for k in range(plan.count)], submit, on_result)
@@ -180,29 +190,35 @@ class _Call:
         self.inputs = sorted(used)
         return per_chunk
 
-    def backward(self, cotangents: tuple[Tensor | None, ...], keep_graph: bool) -> list[Any]:
+    def backward(self, cotangents: tuple[Tensor | None, ...], keep: bool) -> list[Any]:
         """Pull every chunk back; the gradient of each join input (``None`` where none came)."""
         plan = self.plan
         state = ThreadState(grad_enabled=False)
         payloads: dict[int, bytes] = {}
+        per_chunk: dict[int, list[tuple[int, Tensor]]] = {}
         jobs = []
         for k, (lo, hi) in enumerate(self.bounds):
-            if any(g is not None for g in cotangents[lo:hi]):
+            early = self.early.get(k)
+            if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
+                c = cotangents[lo]
+                if c is not None:
+                    per_chunk[k] = [(pid, g * c) for pid, g in early]
+            elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = dumps_results(list(cotangents[lo:hi]))
                 jobs.append(Job(k, None if self.remat else self.owners[k], recompute=self.remat))
-        per_chunk: dict[int, list[tuple[int, Tensor]]] = {}
         bar = open_progress(self.progress, "backward", plan.n)
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
-            actor = self.actors[a]
             if recompute:
                 chunks = [
                     (plan.bounds(k)[0], self.items[k], self.diff[k], payloads[k])
                     for k in (j.chunk for j in jobs)
                 ]
-                return actor.recompute.remote(self.id, self.box, chunks, state)
-            return actor.backward.remote(
-                self.id, [(j.chunk, payloads[j.chunk]) for j in jobs], state
+                return self.transport.call(
+                    a, "recompute", self.id, self.box, self.spec, chunks, state
+                )
+            return self.transport.call(
+                a, "backward", self.id, [(j.chunk, payloads[j.chunk]) for j in jobs], state
             )
 
         def on_result(k: int, a: int, value: bytes) -> None:
@@ -212,7 +228,8 @@ class _Call:
                 bar.update(stop - start)
 
         try:
-            self._run(jobs, submit, on_result)
+            if jobs:
+                self._run(jobs, submit, on_result)
         finally:
             if bar is not None:
                 bar.close()
@@ -224,7 +241,7 @@ class _Call:
             [[g for _, g in per_chunk[k]] for k in chunks],
             torch.add,
         )
-        if not keep_graph:
+        if not keep:
             self.release()
         return totals
 
@@ -241,49 +258,47 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
+        call: _Call = ctx.call
         if torch.is_grad_enabled():
             raise NotImplementedError(
-                "gradmap.tmap(executor='ray'): a create_graph=True backward through the map "
-                "(double backward) is not supported on Ray; use executor='threads'"
+                f"{call.api}: a create_graph=True backward through the map (double backward) is "
+                "not supported in other processes; use executor='threads'"
             )
-        call: _Call = ctx.call
-        keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
-        return (None, *call.backward(cotangents, keep_graph))
+        return (None, *call.backward(cotangents, keep_graph()))
 
 
-def map_ray(
+def map_remote(
     f: Any,
     elements: list[tuple[Any, ...]],
-    executor: Executor,
+    executor: RemoteExecutor,
     plan: ChunkPlan,
     *,
     remat: bool = False,
     progress: Any = False,
-) -> list:
-    """``[f(*args) for args in elements]`` on Ray actors, differentiable as the loop is.
+    api: str = "gradmap.tmap",
+) -> Any:
+    """``[f(*args) for args in elements]`` (``api="gradmap.tmap"``) or their sum
+    (``"gradmap.tsum"``) on an executor's worker processes, differentiable as the loop is.
 
     Arguments:
         f: the function (picklable with cloudpickle).
         elements: the argument tuples, one per element (picklable).
-        executor: a [`RayExecutor`][].
+        executor: the executor (Ray's, or the local processes').
         plan: the chunk plan for ``len(elements)``.
-        remat: keep no graph on the actors; recompute each chunk in the backward.
+        remat: keep no graph on the workers; recompute each chunk in the backward.
         progress: ``tmap``'s ``progress`` argument.
+        api: which map this is.
 
     Returns:
-        The results, in element order.
+        The results, in element order; or their sum, for ``tsum``.
     """
-    if _transforms_active():
-        # NOTE [torch.func and forward AD] in _rule: the plain loop, in the caller's process.
-        return [f(*args) for args in elements]
-    if in_worker():
-        # A map inside f, on a worker: this process is one actor with its CPUs, so it runs here.
-        return map_torch(f, elements, SerialExecutor(), plan, remat=remat, progress=progress)
-    if not isinstance(executor, RayExecutor):
-        raise TypeError(f"gradmap: map_ray needs a RayExecutor, got {type(executor).__name__}")
-    if not elements:
-        return []
-    actors = executor.actors()
+    summed = api == "gradmap.tsum"
+    if _transforms_active() or in_worker():
+        # NOTE [torch.func and forward AD] in _rule: the plain loop, in the caller's process. A
+        # map inside f, on a worker: this process is one worker with its CPUs, so it runs here.
+        results = map_torch(f, elements, SerialExecutor(), plan, remat=remat, progress=progress)
+        return sum_results(results) if summed else results
+    transport: Transport = executor.transport()  # type: ignore[assignment]
     graph = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     spec = CallSpec(
         n=plan.n,
@@ -292,63 +307,80 @@ def map_ray(
         default_dtype=torch.get_default_dtype(),
         graph=graph,
         remat=remat,
+        api=api,
     )
-    table = TensorTable()
+    table = TensorTable(executor.share)
+    name = f"{api}(executor={transport.name!r})"
     try:
-        f_payload = dumps((f, spec), table)
+        f_payload = dumps(f, table, share=True)
     except Exception as exc:
         add_note(
             exc,
-            "gradmap.tmap(executor='ray'): f must be picklable with cloudpickle to run on Ray "
-            "workers (a lambda or closure is; an object holding locks, files or sockets is not)",
+            f"{name}: f must be picklable with cloudpickle to run in other processes (a lambda "
+            "or closure is; an object holding locks, files or sockets is not); or use "
+            "executor='threads'",
         )
         raise
-    call = _Call(actors, f_payload, table, plan, executor, remat, progress)
+    call = _Call(transport, f_payload, spec, table, plan, executor, remat, progress)
     try:
-        per_chunk = call.forward(elements)
+        per_chunk = call.forward(elements, "forward_sum" if summed and graph else "forward")
     except BaseException:
         call.release()
         raise
     if not graph:
         call.release()
-        return [y for trees, _ in per_chunk for y in trees]
-    # The join outputs, in chunk order, and each element's place for them.
+        results = [y for trees, _ in per_chunk for y in trees]
+        if summed:
+            return sum_results(results, [len(trees) for trees, _ in per_chunk])
+        return results
+    # The join outputs, in chunk order, and each element's place for them (a tsum chunk of
+    # losses is one "element": its sum).
     placed: list[tuple[list[Any], Any, list[int]]] = []
+    sizes: list[int] = []
     for k, (trees, diff) in enumerate(per_chunk):
         lo = len(call.outputs)
-        call.diff[k] = diff
-        for tree, positions in zip(trees, diff):
-            leaves, spec_ = flatten(tree)
-            for pos in positions:
-                call.outputs.append(leaves[pos])
-            placed.append((leaves, spec_, positions))
+        if trees is None:
+            call.outputs.append(diff)
+            placed.append(([diff], None, [0]))
+            sizes.append(1)
+        else:
+            call.diff[k] = diff
+            for tree, positions in zip(trees, diff):
+                leaves, spec_ = flatten(tree)
+                for pos in positions:
+                    call.outputs.append(leaves[pos])
+                placed.append((leaves, spec_, positions))
+            sizes.append(len(trees))
         call.bounds.append((lo, len(call.outputs)))
     inputs = [call.table.tensors[pid] for pid in call.inputs]
     if not (call.outputs and inputs):
         # Nothing to differentiate through: the results stand as they came.
         call.release()
         call.outputs = []
-        return [unflatten(leaves, spec_) for leaves, spec_, _ in placed]
-    joined = _Join.apply(call, *inputs)
-    call.outputs = []  # the join's outputs are the results' now (no cycle through the join)
-    results: list[Any] = []
-    j = 0
-    for leaves, spec_, positions in placed:
-        for pos in positions:
-            leaves[pos] = joined[j]
-            j += 1
-        results.append(unflatten(leaves, spec_))
-    return results
+        results = [unflatten(leaves, spec_) for leaves, spec_, _ in placed]
+    else:
+        joined = _Join.apply(call, *inputs)
+        call.outputs = []  # the join's outputs are the results' now (no cycle through the join)
+        results = []
+        j = 0
+        for leaves, spec_, positions in placed:
+            for pos in positions:
+                leaves[pos] = joined[j]
+                j += 1
+            results.append(unflatten(leaves, spec_))
+        if not any(call.owners[k] >= 0 for k in range(plan.count)) and not remat:
+            call.release()  # nothing is kept on the workers (tsum's chunks of losses)
+    return sum_results(results, sizes) if summed else results
 
 
-def _unpicklable(elements: list[tuple[Any, ...]], start: int, stop: int) -> str:
+def _unpicklable(elements: list[tuple[Any, ...]], start: int, stop: int, api: str) -> str:
     """A note naming the first element whose items do not pickle."""
     for i in range(start, stop):
         try:
             dumps(elements[i], TensorTable())
         except Exception:
             return (
-                f"gradmap.tmap(executor='ray'): the items of element {i} (of "
-                f"{len(elements)}) do not pickle; items must be picklable to reach Ray workers"
+                f"{api}: the items of element {i} (of {len(elements)}) do not pickle; items must "
+                "be picklable to reach worker processes"
             )
-    return "gradmap.tmap(executor='ray'): the items of a chunk do not pickle"
+    return f"{api}: the items of a chunk do not pickle"

@@ -1,0 +1,104 @@
+"""``ProcessExecutor``: chunks run in gradmap's worker processes, past the GIL."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .._executors import RemoteExecutor, available_cores
+
+__all__ = ["ProcessExecutor", "default_executor"]
+
+
+class ProcessExecutor(RemoteExecutor):
+    """Chunks run in worker processes on this machine: forwards of small ops, which threads
+    cannot run in parallel under the GIL, run on every core.
+
+    ``gradmap.tmap(f, xs, executor="processes")`` (or ``executor=gradmap.ProcessExecutor(...)``)
+    runs each chunk's forward in one of a pool of worker processes, started on first use and
+    reused after, which keeps the chunk's autograd graph; the backward sends each chunk's
+    cotangents to the worker that holds it. ``tsum`` runs each chunk's forward and backward in
+    one call. The gradients are the plain loop's, to the items and to every tensor ``f`` uses,
+    bitwise the same for any ``workers`` and from run to run. ``f`` and the items must be
+    picklable (cloudpickle: lambdas and closures are); ``f``'s parameters and other tensors move
+    to shared memory the first time they are sent, so an optimizer's in-place step reaches the
+    workers with nothing sent. A worker that dies has its chunks recomputed by the others.
+    Design notes: ``gradmap/_remote/_map.py`` (the rule), ``gradmap/_process/_pool.py`` (the
+    processes) and ``gradmap/_process/_shared.py`` (shared memory).
+
+    What differs from threads: ``f`` runs on copies of the objects it refers to, so what it
+    changes in them (BatchNorm's running statistics, a counter) stays in the worker, except
+    tensors in shared memory; a ``create_graph=True`` backward through the map raises.
+
+    Arguments:
+        workers: worker processes that run the chunks of one map. Default: the cores available.
+        threads_per_worker: PyTorch intra-op threads of each worker.
+        timeout: seconds a pass may go without any chunk finishing before it fails with
+            ``TimeoutError``; ``None`` (default) waits as long as ``f`` takes.
+        start_timeout: seconds a pass may wait for its workers to start again after they died.
+    """
+
+    name = "processes"
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        threads_per_worker: int = 1,
+        timeout: float | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        for label, value in (("workers", workers), ("threads_per_worker", threads_per_worker)):
+            if value is None and label == "workers":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"gradmap.ProcessExecutor: {label} must be a positive int, got {value!r}"
+                )
+        super().__init__(workers or max(1, available_cores() // threads_per_worker))
+        self.threads_per_worker = threads_per_worker
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+
+    def _pool(self) -> Any:
+        from ._pool import get_pool
+
+        return get_pool(self.threads_per_worker)
+
+    @property
+    def share(self) -> Any:  # type: ignore[override]
+        return self._pool().sharer
+
+    def transport(self) -> Any:
+        from ._pool import ProcessTransport
+
+        return ProcessTransport(self._pool(), self.workers)
+
+    def worker_pids(self) -> list[int]:
+        """The process id of each worker a map uses (starting them if needed)."""
+        return [w.pid for w in self._pool().ensure(self.workers)]
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (of this ``threads_per_worker``); the next map starts new
+        ones."""
+        from ._pool import shutdown_pools
+
+        shutdown_pools(self.threads_per_worker)
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessExecutor(workers={self.workers}, threads_per_worker={self.threads_per_worker})"
+        )
+
+
+_defaults: dict[int | None, ProcessExecutor] = {}
+_lock = threading.Lock()
+
+
+def default_executor(workers: int | None) -> ProcessExecutor:
+    """The executor ``executor="processes"`` names (one per ``workers``)."""
+    with _lock:
+        executor = _defaults.get(workers)
+        if executor is None:
+            executor = _defaults[workers] = ProcessExecutor(workers)
+        return executor

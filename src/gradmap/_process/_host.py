@@ -1,0 +1,69 @@
+"""The host of a worker process: ``gradmap._remote``'s host, with ``f``'s payloads kept by digest
+and storages in shared memory received as file descriptors."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from .._remote._host import CallSpec, Host
+from .._remote._pickling import LeafTable, loads
+from ._shared import worker_storages
+from ._worker import PayloadCache
+
+__all__ = ["ProcessHost"]
+
+
+class ProcessHost(Host):
+    """What a worker process runs (see ``_worker.py`` for the loop around it)."""
+
+    executor = "processes"
+
+    def __init__(self, threads: int, fds: socket.socket) -> None:
+        super().__init__(threads)
+        self._fds = fds
+        self._payloads = PayloadCache()
+
+    # A box is ``(digest, payload or None)``: the payload comes the first time this worker needs
+    # it, and the caller's account of what each worker keeps mirrors ``_payloads`` (every call
+    # with a box touches both, in the same order).
+
+    def _touch(self, box: tuple[bytes, bytes | None]) -> None:
+        digest, payload = box
+        if payload is not None:
+            self._payloads.put(digest, [payload, None])
+        else:
+            self._payloads.get(digest)
+
+    def load_f(self, box: Any) -> tuple[Any, LeafTable]:
+        entry = self._payloads.items[box[0]]
+        if entry[1] is None:
+            leaves = LeafTable()
+            entry[1] = (loads(entry[0], leaves), leaves)
+        f, leaves = entry[1]
+        return f, leaves.copy()
+
+    def forward(self, call_id: str, box: Any, spec: CallSpec, chunks: list[Any]) -> list:
+        self._touch(box)
+        return super().forward(call_id, box, spec, chunks)
+
+    def forward_sum(self, call_id: str, box: Any, spec: CallSpec, chunks: list[Any]) -> list:
+        self._touch(box)
+        return super().forward_sum(call_id, box, spec, chunks)
+
+    def recompute(
+        self, call_id: str, box: Any, spec: CallSpec, chunks: list[Any], state: Any
+    ) -> list:
+        self._touch(box)
+        return super().recompute(call_id, box, spec, chunks, state)
+
+    # -- shared storages ----------------------------------------------------------------------
+
+    def share(self, entries: list[tuple[tuple[int, int], int]]) -> None:
+        """Receive the file descriptor of each ``(key, size)``, sent on the second socket."""
+        for key, size in entries:
+            _, fds, _, _ = socket.recv_fds(self._fds, 16, 1)
+            worker_storages.add(key, fds[0], size)
+
+    def forget(self, keys: list[tuple[int, int]]) -> None:
+        worker_storages.forget(keys)

@@ -1,0 +1,335 @@
+"""gradmap's worker processes: starting them, calls over their sockets, a worker's death, shutdown.
+
+NOTE [worker processes]:
+    A worker is a fresh interpreter (``subprocess``, ``sys.executable``), not a fork: forking a
+    process that runs threads (gradmap's pool, OpenMP's, a user's) can copy a held lock into the
+    child, and ``multiprocessing``'s spawn would import the caller's ``__main__`` again, which
+    runs a script without an ``if __name__ == "__main__"`` guard a second time. The worker gets
+    the caller's ``sys.path`` and working directory, imports torch once, and runs with
+    ``threads_per_worker`` intra-op threads (``OMP_NUM_THREADS`` too). It talks to the caller
+    over a Unix socket pair (calls and answers, pickled) and receives shared storages' file
+    descriptors on a second one.
+
+    Calls to one worker are answered in order, so the caller keeps, per worker, a queue of the
+    calls in flight; a wait reads one answer from each worker that has one (``wait`` on the
+    sockets) and hands it to the oldest call of that worker. A call the caller gave up on
+    (cancelled by an interrupt or an error) stays in the queue until its answer comes, which is
+    then dropped: a late answer is never taken for another call's.
+
+    A worker that dies (killed, out of memory, a crash in native code) closes its socket: every
+    call it had in flight ends with ``WorkerLost``, the pass runs those chunks again elsewhere
+    (NOTE [a pass over the actors] in ``_remote/_schedule.py``), and the next call to that
+    worker starts a new process in its place. Workers ignore ``SIGINT``, die with the caller
+    (``PR_SET_PDEATHSIG``; and when their socket closes), and are stopped at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict, deque
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .._errors import add_note
+from .._remote._schedule import Transport, WorkerLost
+from ._shared import Sharer
+from ._worker import PAYLOADS_KEPT
+
+__all__ = ["Pool", "ProcessTransport", "get_pool", "shutdown_pools"]
+
+_COMMAND = "from gradmap._process._worker import main; main()"
+
+
+class _Call:
+    __slots__ = ("cancelled", "done", "error", "lost", "value", "worker")
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.done = self.lost = self.cancelled = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class _Worker:
+    """One worker process and the caller's account of it."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fd_ours, fd_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        import gradmap
+
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(gradmap.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _COMMAND, str(theirs.fileno()), str(fd_theirs.fileno())],
+            pass_fds=(theirs.fileno(), fd_theirs.fileno()),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        fd_theirs.close()
+        self.conn = Connection(ours.detach())
+        self.fds = fd_ours
+        self.pending: deque[_Call] = deque()
+        self.alive = True
+        self.payloads: OrderedDict[bytes, None] = OrderedDict()  # mirrors the worker's cache
+        self.storages: set[tuple[int, int]] = set()
+        self.lock = threading.RLock()  # a release from a finalizer may run inside a call
+        self.send(("init", {"path": list(sys.path), "cwd": os.getcwd(), "threads": threads}))
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, message: Any) -> None:
+        if message[0] == "init":
+            self.conn.send_bytes(pickle.dumps(message[1], protocol=5))
+        else:
+            self.conn.send_bytes(pickle.dumps(message, protocol=5))
+
+    def died(self) -> None:
+        """The worker is gone: its calls in flight are lost."""
+        self.alive = False
+        while self.pending:
+            call = self.pending.popleft()
+            call.lost = call.done = True
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        with contextlib.suppress(Exception):
+            self.fds.close()
+        with contextlib.suppress(Exception):
+            self.process.kill()
+        with contextlib.suppress(Exception):
+            self.process.wait(timeout=5)
+
+    def exit_status(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return "running"
+        if code < 0:
+            import signal
+
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def read_one(self) -> None:
+        """Read one answer and give it to the oldest call in flight."""
+        try:
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            self.died()
+            return
+        call = self.pending.popleft()
+        kind, *rest = pickle.loads(data)
+        if kind == "ok":
+            call.value = rest[0]
+        else:
+            call.error = _remote_error(rest[0], rest[1], self)
+        call.done = True
+
+    def stop(self, timeout: float = 2.0) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        with contextlib.suppress(Exception):
+            self.fds.close()
+        try:
+            self.process.wait(timeout=timeout)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.process.kill()
+                self.process.wait(timeout=timeout)
+        self.alive = False
+
+
+def _remote_error(payload: bytes | None, text: str, worker: _Worker) -> BaseException:
+    exc: BaseException | None = None
+    if payload is not None:
+        try:
+            exc = pickle.loads(payload)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(f"gradmap: a worker process raised an error:\n{text}")
+    else:
+        add_note(exc, f"gradmap: raised in worker process {worker.pid}; its traceback:\n" + text)
+    return exc
+
+
+class Pool:
+    """The worker processes of one ``threads_per_worker``, grown on demand."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.workers: list[_Worker] = []
+        self.sharer = Sharer()
+        self.lock = threading.Lock()
+
+    def ensure(self, count: int) -> list[_Worker]:
+        """The first ``count`` workers, starting (or restarting) those needed."""
+        with self.lock:
+            while len(self.workers) < count:
+                self.workers.append(_Worker(self.threads))
+            for i in range(count):
+                if not self.workers[i].alive and not self.workers[i].pending:
+                    self.workers[i] = _Worker(self.threads)
+            return self.workers[:count]
+
+    def shutdown(self) -> None:
+        with self.lock:
+            workers, self.workers = self.workers, []
+        for w in workers:
+            with contextlib.suppress(Exception):
+                w.conn.close()
+        for w in workers:
+            w.stop()
+
+
+class _Box:
+    """``f``'s payload for one map: its digest, and the shared storages it names."""
+
+    __slots__ = ("digest", "keys", "payload")
+
+    def __init__(self, payload: bytes, keys: set[tuple[int, int]]) -> None:
+        self.payload = payload
+        self.digest = hashlib.blake2b(payload, digest_size=16).digest()
+        self.keys = keys
+
+
+class ProcessTransport(Transport):
+    """Calls to the first ``count`` workers of a pool."""
+
+    name = "processes"
+    depth = 2
+
+    def __init__(self, pool: Pool, count: int) -> None:
+        super().__init__(count)
+        self.pool = pool
+        self._workers = pool.ensure(count)
+        pool.sharer.take_used()  # what f's payload names is collected from here on
+
+    def _worker(self, index: int) -> _Worker:
+        w = self._workers[index]
+        if not w.alive and not w.pending:  # restart a dead worker when it is called again
+            w = self._workers[index] = self.pool.ensure(index + 1)[index]
+        return w
+
+    def box(self, payload: bytes) -> Any:
+        keys = self.pool.sharer.take_used()
+        return _Box(payload, keys)
+
+    def call(self, worker: int, method: str, *args: Any) -> Any:
+        w = self._worker(worker)
+        call = _Call(w)
+        if not w.alive:
+            call.lost = call.done = True
+            return call
+        try:
+            with w.lock:
+                args = tuple(self._prepare(w, a) for a in args)
+                w.send((method, args))
+                w.pending.append(call)
+        except (OSError, EOFError):
+            w.died()
+            call.lost = call.done = True
+        return call
+
+    def _prepare(self, w: _Worker, arg: Any) -> Any:
+        """A box as the worker gets it: the storages it lacks first, then the payload only if
+        the worker does not keep it."""
+        if not isinstance(arg, _Box):
+            return arg
+        missing = [key for key in arg.keys if key not in w.storages]
+        if missing:
+            sharer = self.pool.sharer
+            entries = []
+            for key in missing:
+                fd, size = sharer.fd(key)
+                socket.send_fds(w.fds, [b"s"], [fd])
+                entries.append((key, size))
+            w.send(("share", (entries,)))
+            w.pending.append(_Call(w))  # its answer (None) is read and dropped
+            w.pending[-1].cancelled = True
+            w.storages.update(missing)
+        if arg.digest in w.payloads:
+            w.payloads.move_to_end(arg.digest)
+            return (arg.digest, None)
+        w.payloads[arg.digest] = None
+        while len(w.payloads) > PAYLOADS_KEPT:
+            w.payloads.popitem(last=False)
+        return (arg.digest, arg.payload)
+
+    def wait(self, handles: list[Any], timeout: float) -> list[Any]:
+        ready = [h for h in handles if h.done]
+        if ready:
+            return ready
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = {id(h.worker): h.worker for h in handles if not h.done}
+            conns = {w.conn: w for w in workers.values() if w.alive}
+            if not conns:
+                return [h for h in handles if h.done]
+            left = max(0.0, deadline - time.monotonic())
+            for conn in wait(list(conns), timeout=left):
+                conns[conn].read_one()  # type: ignore[index]
+            ready = [h for h in handles if h.done]
+            if ready or time.monotonic() >= deadline:
+                return ready
+
+    def get(self, handle: Any) -> Any:
+        call: _Call = handle
+        if call.lost:
+            raise WorkerLost(
+                f"gradmap: worker process {call.worker.pid} died ({call.worker.exit_status()})"
+            )
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def cancel(self, handle: Any) -> None:
+        handle.cancelled = True
+
+    def release(self, call_id: str) -> None:
+        # The answers are read (and dropped) by the next wait on each worker.
+        for index in range(self.workers):
+            if self._workers[index].alive:
+                self.call(index, "release", call_id).cancelled = True
+
+
+_pools: dict[int, Pool] = {}
+_lock = threading.Lock()
+
+
+def get_pool(threads: int) -> Pool:
+    with _lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = Pool(threads)
+        return pool
+
+
+def shutdown_pools(threads: int | None = None) -> None:
+    """Stop the worker processes (all pools, or those with ``threads`` threads per worker)."""
+    with _lock:
+        pools = [_pools.pop(t) for t in list(_pools) if threads is None or t == threads]
+    for pool in pools:
+        pool.shutdown()
+
+
+atexit.register(shutdown_pools)

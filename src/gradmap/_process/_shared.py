@@ -1,0 +1,147 @@
+"""Tensors in shared memory: the caller's side (a tensor's storage, by key) and the worker's
+side (the storages it was sent, by key).
+
+NOTE [parameters in shared memory]:
+    The leaf tensors of ``f``'s payload -- module parameters and buffers, closure and attribute
+    tensors -- travel to the worker processes as references, not bytes. The first time one is
+    sent, its storage is moved into shared memory in place (``UntypedStorage._share_fd_cpu_``,
+    what ``Tensor.share_memory_()`` does: the same storage object, so the tensor, its views and an
+    optimizer holding it see nothing change but where the bytes live), and the storage's file
+    descriptor is passed to each worker once, over a Unix socket (``SCM_RIGHTS``); the worker
+    maps the same pages. After that, a payload names the storage by a key, and an optimizer's
+    in-place step is seen by every worker with nothing sent.
+
+    The key is the shared file's identity (device and inode), not the storage's address: an
+    address can be reused by a new storage after the old one is freed, and a worker would then
+    read the old pages. The inode cannot be reused while the worker still maps the file. A
+    swapped storage (``p.data = torch.randn(...)``) is a new storage: it is noticed at the next
+    call (its key is new), shared and sent; nothing goes stale.
+
+    ``f``'s payload is then the same bytes from call to call while ``f`` is unchanged (the keys
+    do not change with the values), so a worker keeps it, and the function unpickled from it, by
+    the payload's digest, and a call sends the digest alone.
+
+    Not shared: tensors on other devices, sparse, quantized or subclassed tensors, and tensors
+    whose storage cannot move (a ``torch.from_numpy`` array, for one): they travel by value.
+    Items travel by value too (they change from call to call).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["SharedRef", "Sharer", "WorkerStorages", "worker_storages"]
+
+Tensor = torch.Tensor
+
+_SHAREABLE = (torch.Tensor, torch.nn.Parameter)
+
+
+class SharedRef:
+    """A tensor's place in a shared storage; unpickles to the tensor on a worker."""
+
+    __slots__ = ("dtype", "key", "offset", "shape", "stride")
+
+    def __init__(
+        self,
+        key: tuple[int, int],
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        offset: int,
+    ) -> None:
+        self.key, self.dtype, self.shape, self.stride, self.offset = (
+            key,
+            dtype,
+            shape,
+            stride,
+            offset,
+        )
+
+    def __reduce__(self) -> Any:
+        return _rebuild, (self.key, self.dtype, self.shape, self.stride, self.offset)
+
+
+class Sharer:
+    """The caller's shared storages, by key, and the file descriptors to send for them."""
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[int, int], tuple[int, int, Any]] = {}
+        self._lock = threading.Lock()
+        self.used: set[tuple[int, int]] = set()  # keys met since ``take_used``
+
+    def __call__(self, t: Tensor) -> SharedRef | None:
+        """A reference to ``t`` in shared memory (moving its storage there), or ``None`` if it
+        travels by value."""
+        if (
+            type(t) not in _SHAREABLE
+            or t.device.type != "cpu"
+            or t.layout != torch.strided
+            or t.is_quantized
+        ):
+            return None
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            return None
+        try:
+            fd, size = storage._share_fd_cpu_()  # in place; returns the same fd once shared
+        except Exception:
+            return None  # a storage that cannot move (from numpy), or shared by file name
+        stat = os.fstat(fd)
+        key = (stat.st_dev, stat.st_ino)
+        with self._lock:
+            if key not in self._fds:
+                self._fds[key] = (fd, size, storage)  # the storage keeps the fd open
+            self.used.add(key)
+        return SharedRef(key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+    def take_used(self) -> set[tuple[int, int]]:
+        with self._lock:
+            used, self.used = self.used, set()
+        return used
+
+    def fd(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The file descriptor and size of a shared storage."""
+        fd, size, _ = self._fds[key]
+        return fd, size
+
+    def forget(self, keys: set[tuple[int, int]]) -> None:
+        """Drop the storages no payload names any more (a swapped parameter's old storage)."""
+        with self._lock:
+            for key in keys:
+                self._fds.pop(key, None)
+
+
+class WorkerStorages:
+    """A worker's shared storages, by key."""
+
+    def __init__(self) -> None:
+        self.storages: dict[tuple[int, int], Any] = {}
+
+    def add(self, key: tuple[int, int], fd: int, size: int) -> None:
+        try:
+            self.storages[key] = torch.UntypedStorage._new_shared_fd_cpu(fd, size)  # type: ignore[attr-defined]
+        finally:
+            os.close(fd)
+
+    def forget(self, keys: list[tuple[int, int]]) -> None:
+        for key in keys:
+            self.storages.pop(key, None)
+
+
+worker_storages = WorkerStorages()
+
+
+def _rebuild(
+    key: tuple[int, int],
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+) -> Tensor:
+    storage = worker_storages.storages[key]
+    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)

@@ -1,0 +1,121 @@
+"""A worker process: the host of the rule in ``gradmap._remote``, answering calls over a socket.
+
+Started by the pool (``_pool.py``) as ``python -c "...main()" <socket fd> <fd socket fd>``; it
+reads calls ``(method, args)`` from the socket and answers each, in order, with ``("ok", value)``
+or ``("error", exception, traceback)``. A thread reads the socket into a queue, so the caller can
+always send (while the worker writes a large answer, the caller may be writing the next call:
+neither blocks the other). Storages in shared memory arrive as file descriptors on the second
+socket (NOTE [parameters in shared memory] in ``_shared.py``).
+
+The worker exits when the caller's end of the socket closes (the caller exited, or shut the pool
+down), and on Linux also when the caller dies (``PR_SET_PDEATHSIG``): no worker outlives its
+caller. It ignores ``SIGINT``: a Ctrl-C in the terminal is the caller's to handle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections import OrderedDict
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["PAYLOADS_KEPT", "main"]
+
+#: Payloads of ``f`` (and the functions unpickled from them) a worker keeps, by digest; the
+#: caller keeps the same account of what each worker holds.
+PAYLOADS_KEPT = 8
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # pragma: no cover - not Linux
+        pass
+
+
+def main() -> None:
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # pragma: no cover - the caller died before the line above
+        os._exit(0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(int(sys.argv[1]))
+    fds = socket.socket(fileno=int(sys.argv[2]))
+    init = pickle.loads(conn.recv_bytes())
+    for path in reversed(init["path"]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.chdir(init["cwd"])
+
+    from ._host import ProcessHost  # torch is imported here, after the path is set
+
+    host = ProcessHost(init["threads"], fds)
+    inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)
+
+    threading.Thread(target=read, name="gradmap-reader", daemon=True).start()
+    while True:
+        message = inbox.get()
+        if message is None:
+            break
+        method, args = pickle.loads(message)
+        try:
+            reply: Any = ("ok", getattr(host, method)(*args))
+        except BaseException as exc:
+            reply = _error(exc)
+        try:
+            conn.send_bytes(_dumps(reply))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    os._exit(0)  # no atexit work: the caller is gone or done
+
+
+def _dumps(reply: Any) -> bytes:
+    try:
+        return pickle.dumps(reply, protocol=5)
+    except Exception as exc:
+        return pickle.dumps(_error(exc), protocol=5)
+
+
+def _error(exc: BaseException) -> tuple[str, bytes | None, str]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        import cloudpickle
+
+        payload: bytes | None = cloudpickle.dumps(exc, protocol=5)
+    except Exception:
+        payload = None
+    return ("error", payload, text)
+
+
+class PayloadCache:
+    """Payloads by digest, least recently used out first (the caller mirrors it)."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[bytes, Any] = OrderedDict()
+
+    def get(self, digest: bytes) -> Any:
+        value = self.items[digest]
+        self.items.move_to_end(digest)
+        return value
+
+    def put(self, digest: bytes, value: Any) -> None:
+        self.items[digest] = value
+        self.items.move_to_end(digest)
+        while len(self.items) > PAYLOADS_KEPT:
+            self.items.popitem(last=False)
