@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 __all__ = [
     "tmap",
     "tsum",
+    "compare",
+    "Comparison",
     "Executor",
     "SerialExecutor",
     "ThreadExecutor",
@@ -27,6 +29,8 @@ __all__ = [
 _LAZY = {
     "tmap": "._api",
     "tsum": "._api",
+    "compare": "._compare",
+    "Comparison": "._compare",
     "Executor": "._executors",
     "SerialExecutor": "._executors",
     "ThreadExecutor": "._executors",
@@ -38,6 +42,8 @@ _LAZY = {
 if TYPE_CHECKING:
     from ._api import tmap as tmap
     from ._api import tsum as tsum
+    from ._compare import Comparison as Comparison
+    from ._compare import compare as compare
     from ._executors import Executor as Executor
     from ._executors import FuturesExecutor as FuturesExecutor
     from ._executors import SerialExecutor as SerialExecutor

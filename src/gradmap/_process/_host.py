@@ -3,12 +3,15 @@ and storages in shared memory received as file descriptors."""
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
 from typing import Any
 
 from .._remote._host import CallSpec, Host
 from .._remote._pickling import LeafTable, loads
 from ._shared import worker_storages
+from ._worker import FDS_PER_MESSAGE as _FDS_PER_MESSAGE
 from ._worker import PayloadCache
 
 __all__ = ["ProcessHost"]
@@ -21,8 +24,24 @@ class ProcessHost(Host):
 
     def __init__(self, threads: int, fds: socket.socket) -> None:
         super().__init__(threads)
-        self._fds = fds
         self._payloads = PayloadCache()
+        # A thread takes the descriptors off their socket as they come: a datagram socket holds
+        # only a few messages, and the caller must never block on sending them.
+        self._received: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+
+        def receive() -> None:
+            try:
+                while True:
+                    _, fds_got, _, _ = socket.recv_fds(fds, 16, _FDS_PER_MESSAGE)
+                    if not fds_got:
+                        break
+                    for fd in fds_got:
+                        self._received.put(fd)
+            except OSError:
+                pass
+            self._received.put(None)
+
+        threading.Thread(target=receive, name="gradmap-fds", daemon=True).start()
 
     # A box is ``(digest, payload or None)``: the payload comes the first time this worker needs
     # it, and the caller's account of what each worker keeps mirrors ``_payloads`` (every call
@@ -62,8 +81,10 @@ class ProcessHost(Host):
     def share(self, entries: list[tuple[tuple[int, int], int]]) -> None:
         """Receive the file descriptor of each ``(key, size)``, sent on the second socket."""
         for key, size in entries:
-            _, fds, _, _ = socket.recv_fds(self._fds, 16, 1)
-            worker_storages.add(key, fds[0], size)
+            fd = self._received.get()
+            if fd is None:
+                raise RuntimeError("gradmap: the caller closed the socket of shared storages")
+            worker_storages.add(key, fd, size)
 
     def forget(self, keys: list[tuple[int, int]]) -> None:
         worker_storages.forget(keys)

@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import os
 import pickle
+import queue
 import socket
 import subprocess
 import sys
@@ -42,11 +43,12 @@ from typing import Any
 from .._errors import add_note
 from .._remote._schedule import Transport, WorkerLost
 from ._shared import Sharer
-from ._worker import PAYLOADS_KEPT
+from ._worker import FDS_PER_MESSAGE, PAYLOADS_KEPT
 
 __all__ = ["Pool", "ProcessTransport", "get_pool", "shutdown_pools"]
 
 _COMMAND = "from gradmap._process._worker import main; main()"
+_SOCKET_BUFFER = 4 << 20  # bytes: a chunk's items in one write, where the kernel allows it
 
 
 class _Call:
@@ -66,6 +68,10 @@ class _Worker:
         self.threads = threads
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fd_ours, fd_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for sock in (ours, theirs):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
         import gradmap
 
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(gradmap.__file__)))
@@ -85,6 +91,11 @@ class _Worker:
         self.conn = Connection(ours.detach())
         self.fds = fd_ours
         self.pending: deque[_Call] = deque()
+        # Calls are written by a thread of the worker's own (see ``_worker.py``): the caller's
+        # thread never blocks on a write while the worker blocks on writing an answer.
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self._write, name="gradmap-writer", daemon=True)
+        self.writer.start()
         self.alive = True
         self.payloads: OrderedDict[bytes, None] = OrderedDict()  # mirrors the worker's cache
         self.storages: set[tuple[int, int]] = set()
@@ -97,13 +108,25 @@ class _Worker:
 
     def send(self, message: Any) -> None:
         if message[0] == "init":
-            self.conn.send_bytes(pickle.dumps(message[1], protocol=5))
+            self.outbox.put(pickle.dumps(message[1], protocol=5))
         else:
-            self.conn.send_bytes(pickle.dumps(message, protocol=5))
+            self.outbox.put(pickle.dumps(message, protocol=5))
+
+    def _write(self) -> None:
+        conn = self.conn
+        while True:
+            data = self.outbox.get()
+            if data is None:
+                return
+            try:
+                conn.send_bytes(data)
+            except (OSError, ValueError):
+                return  # the worker died: the reading side notices
 
     def died(self) -> None:
         """The worker is gone: its calls in flight are lost."""
         self.alive = False
+        self.outbox.put(None)
         while self.pending:
             call = self.pending.popleft()
             call.lost = call.done = True
@@ -145,6 +168,8 @@ class _Worker:
         call.done = True
 
     def stop(self, timeout: float = 2.0) -> None:
+        self.outbox.put(None)
+        self.writer.join(timeout)
         with contextlib.suppress(Exception):
             self.conn.close()
         with contextlib.suppress(Exception):
@@ -194,9 +219,6 @@ class Pool:
     def shutdown(self) -> None:
         with self.lock:
             workers, self.workers = self.workers, []
-        for w in workers:
-            with contextlib.suppress(Exception):
-                w.conn.close()
         for w in workers:
             w.stop()
 
@@ -259,10 +281,13 @@ class ProcessTransport(Transport):
         if missing:
             sharer = self.pool.sharer
             entries = []
+            fds = []
             for key in missing:
                 fd, size = sharer.fd(key)
-                socket.send_fds(w.fds, [b"s"], [fd])
+                fds.append(fd)
                 entries.append((key, size))
+            for start in range(0, len(fds), FDS_PER_MESSAGE):
+                socket.send_fds(w.fds, [b"s"], fds[start : start + FDS_PER_MESSAGE])
             w.send(("share", (entries,)))
             w.pending.append(_Call(w))  # its answer (None) is read and dropped
             w.pending[-1].cancelled = True

@@ -2,10 +2,11 @@
 
 Started by the pool (``_pool.py``) as ``python -c "...main()" <socket fd> <fd socket fd>``; it
 reads calls ``(method, args)`` from the socket and answers each, in order, with ``("ok", value)``
-or ``("error", exception, traceback)``. A thread reads the socket into a queue, so the caller can
-always send (while the worker writes a large answer, the caller may be writing the next call:
-neither blocks the other). Storages in shared memory arrive as file descriptors on the second
-socket (NOTE [parameters in shared memory] in ``_shared.py``).
+or ``("error", exception, traceback)``. Its main thread reads the socket itself: a reading thread
+would wait for the GIL (up to the 5 ms switch interval) on every piece of a large call while the
+main thread runs ``f``. The caller writes from a thread of its own, so a worker blocked on a
+large answer never waits for a caller blocked on a large call. Storages in shared memory arrive
+as file descriptors on the second socket (NOTE [parameters in shared memory] in ``_shared.py``).
 
 The worker exits when the caller's end of the socket closes (the caller exited, or shut the pool
 down), and on Linux also when the caller dies (``PR_SET_PDEATHSIG``): no worker outlives its
@@ -17,17 +18,18 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
-import queue
 import signal
 import socket
 import sys
-import threading
 import traceback
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["PAYLOADS_KEPT", "main"]
+__all__ = ["FDS_PER_MESSAGE", "PAYLOADS_KEPT", "main"]
+
+#: File descriptors sent in one datagram (the kernel's limit is 253).
+FDS_PER_MESSAGE = 200
 
 #: Payloads of ``f`` (and the functions unpickled from them) a worker keeps, by digest; the
 #: caller keeps the same account of what each worker holds.
@@ -59,19 +61,10 @@ def main() -> None:
     from ._host import ProcessHost  # torch is imported here, after the path is set
 
     host = ProcessHost(init["threads"], fds)
-    inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-
-    def read() -> None:
-        try:
-            while True:
-                inbox.put(conn.recv_bytes())
-        except (EOFError, OSError):
-            inbox.put(None)
-
-    threading.Thread(target=read, name="gradmap-reader", daemon=True).start()
     while True:
-        message = inbox.get()
-        if message is None:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
             break
         method, args = pickle.loads(message)
         try:

@@ -63,7 +63,9 @@ class ShippedSeed(MapRandom):
     where the threads would have left it.
     """
 
-    def __init__(self, state: Tensor) -> None:
+    def __init__(self, state: Tensor | bytes) -> None:
+        if isinstance(state, bytes):
+            state = torch.frombuffer(bytearray(state), dtype=torch.uint8)
         generator = torch.Generator()
         generator.set_state(state)
         self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64, generator=generator).item())
@@ -81,7 +83,8 @@ class CallSpec:
 
     Attributes:
         n: the number of elements of the map.
-        rng_state: the driver's global generator state when the map started.
+        rng_state: the driver's global generator state when the map started (its bytes: a
+            tensor would be pickled through ``torch.save``, ten times slower).
         forward_state: the caller's grad mode, inference mode and autocast.
         default_dtype: the caller's ``torch.get_default_dtype()`` (process-wide: it does not
             travel by itself).
@@ -91,7 +94,7 @@ class CallSpec:
     """
 
     n: int
-    rng_state: Tensor
+    rng_state: bytes
     forward_state: ThreadState
     default_dtype: torch.dtype
     graph: bool

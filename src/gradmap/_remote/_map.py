@@ -302,7 +302,7 @@ def map_remote(
     graph = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     spec = CallSpec(
         n=plan.n,
-        rng_state=torch.get_rng_state(),
+        rng_state=torch.get_rng_state().numpy().tobytes(),
         forward_state=ThreadState(),
         default_dtype=torch.get_default_dtype(),
         graph=graph,

@@ -41,7 +41,8 @@ def require_matplotlib() -> Any:
 
 
 def sweep_points(result: BenchResult) -> dict[str, list[tuple[int, float]]]:
-    """Collect ``(workers, speed-up)`` of the ``tmap:W`` variants per workload.
+    """Collect ``(workers, speed-up)`` of the ``tmap:W`` (threads) and ``tmap-proc:W``
+    (processes) variants per workload: keys ``"<workload> threads"``, ``"<workload> processes"``.
 
     Arguments:
         result: The bench results (run with a workers sweep).
@@ -51,13 +52,14 @@ def sweep_points(result: BenchResult) -> dict[str, list[tuple[int, float]]]:
     """
     points = {}
     for workload in result.workloads:
-        series = []
-        for variant in workload.variants.values():
-            speedup = workload.speedup(variant.name)
-            if variant.name.startswith("tmap:") and variant.workers and speedup is not None:
-                series.append((variant.workers, speedup))
-        if series:
-            points[workload.name] = sorted(series)
+        for prefix, label in (("tmap:", "threads"), ("tmap-proc:", "processes")):
+            series = []
+            for variant in workload.variants.values():
+                speedup = workload.speedup(variant.name)
+                if variant.name.startswith(prefix) and variant.workers and speedup is not None:
+                    series.append((variant.workers, speedup))
+            if series:
+                points[f"{workload.name} {label}"] = sorted(series)
     return points
 
 
@@ -77,15 +79,16 @@ def plot_speedup(result: BenchResult, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     for name, series in sweep_points(result).items():
         workers, speedups = zip(*series, strict=True)
-        ax.plot(workers, speedups, marker="o", label=name)
+        style = "--" if name.endswith("processes") else "-"
+        ax.plot(workers, speedups, marker="o", linestyle=style, label=name)
     ax.plot([1, cores], [1, cores], linestyle=":", color="grey", label="linear")
     ax.axhline(1.0, linestyle="--", color="black", linewidth=0.8)
     ax.set_xlabel("workers")
     ax.set_ylabel("speed-up vs best plain loop (fwd+bwd)")
     ax.set_xticks(range(1, cores + 1))
-    ax.set_title(f"gradmap.tmap, {cores} cores, torch {env['torch']}")
+    ax.set_title(f"gradmap.tmap, threads and processes, {cores} cores, torch {env['torch']}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -12,7 +12,7 @@ from gradmap.bench.runner import BenchResult, VariantResult, WorkloadResult
 __all__ = ["format_overhead", "format_table", "to_json", "write_json"]
 
 _HEADER = (
-    f"{'workload':<12} {'N':>6} {'us/elem':>8} {'cores':>5} {'thr':>3}  {'variant':<8} "
+    f"{'workload':<12} {'N':>6} {'us/elem':>8} {'cores':>5} {'thr':>3}  {'variant':<11} "
     f"{'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'speed-up':>8} {'eff':>5} "
     f"{'max|dgrad|':>10} {'rel':>8}"
 )
@@ -42,7 +42,7 @@ def _row(workload: WorkloadResult, variant: VariantResult, env: dict[str, Any], 
     speedup = workload.speedup(variant.name)
     efficiency = _efficiency(workload, variant, env["cores"])
     return (
-        f"{lead}  {name:<8} {variant.median_fwd_s * 1e3:>9.2f} "
+        f"{lead}  {name:<11} {variant.median_fwd_s * 1e3:>9.2f} "
         f"{variant.median_bwd_s * 1e3:>9.2f} {variant.median_total_s * 1e3:>9.2f} "
         f"{'-' if speedup is None else f'{speedup:.2f}x':>8} "
         f"{'-' if efficiency is None else f'{efficiency:.2f}':>5} "
@@ -111,7 +111,7 @@ def format_overhead(result: BenchResult) -> str:
         if variant.name.startswith("tmap") or variant.name == "serial":
             us = variant.median_total_s / workload.n * 1e6
             lines.append(
-                f"  {variant.name:<8} {us:8.2f} us/elem, overhead {us - base_us:+8.2f} us/elem"
+                f"  {variant.name:<11} {us:8.2f} us/elem, overhead {us - base_us:+8.2f} us/elem"
             )
     return "\n".join(lines)
 

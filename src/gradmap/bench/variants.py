@@ -8,10 +8,14 @@ each variant's gradient can be checked against the plain loop's.
 - ``tmap``: ``gradmap.tmap(f, items)`` on the shared thread pool.
 - ``tsum``: ``gradmap.tsum(f, items)``: the sum of the losses, each chunk pulled back as soon as its
   forward ends.
+- ``tmap-proc``: ``gradmap.tmap(f, items, executor="processes")``: worker processes.
+- ``tsum-proc``: ``gradmap.tsum(f, items, executor="processes")``: each chunk's forward and
+  backward in one call to a worker process.
 - ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads).
 - ``remat``: ``gradmap.tmap(f, items, remat=True)``: no graph kept; the backward recomputes.
 - ``vmap``: ``torch.func.vmap`` over a padded and masked batch (bags only).
-- ``tmap:W``: ``tmap`` with ``workers=W`` (the workers sweep behind ``--plot``).
+- ``tmap:W`` and ``tmap-proc:W``: ``tmap`` with ``workers=W`` on threads and on processes (the
+  workers sweep behind ``--plot``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,17 @@ from gradmap.bench.workloads import Workload
 
 __all__ = ["BASELINES", "VARIANT_NAMES", "Variant", "build_variants", "loop_loss"]
 
-VARIANT_NAMES = ("loop1", "loop", "tmap", "tsum", "serial", "remat", "vmap")
+VARIANT_NAMES = (
+    "loop1",
+    "loop",
+    "tmap",
+    "tsum",
+    "tmap-proc",
+    "tsum-proc",
+    "serial",
+    "remat",
+    "vmap",
+)
 """Variants selectable with ``--variants``, in the order they are run."""
 
 BASELINES = ("loop1", "loop")
@@ -145,7 +159,8 @@ def build_variants(
         raise ValueError(
             f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANT_NAMES)}"
         )
-    tmap = _import_tmap() if {"tmap", "serial", "remat"} & set(names) or sweep else None
+    uses_tmap = {"tmap", "tmap-proc", "serial", "remat"} & set(names)
+    tmap = _import_tmap() if uses_tmap or sweep else None
     variants = []
     for name in VARIANT_NAMES:
         if name not in names:
@@ -159,6 +174,11 @@ def build_variants(
             variants.append(Variant(name, _tmap_loss(tmap, executor, workers), workers=workers))
         elif name == "tsum":
             variants.append(Variant(name, _tsum_loss(executor, workers), workers=workers))
+        elif name == "tmap-proc":
+            assert tmap is not None
+            variants.append(Variant(name, _tmap_loss(tmap, "processes", workers), workers=workers))
+        elif name == "tsum-proc":
+            variants.append(Variant(name, _tsum_loss("processes", workers), workers=workers))
         elif name == "serial":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))
@@ -170,4 +190,9 @@ def build_variants(
     for count in sweep:
         assert tmap is not None
         variants.append(Variant(f"tmap:{count}", _tmap_loss(tmap, None, count), workers=count))
+    for count in sweep:
+        assert tmap is not None
+        variants.append(
+            Variant(f"tmap-proc:{count}", _tmap_loss(tmap, "processes", count), workers=count)
+        )
     return variants

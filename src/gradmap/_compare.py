@@ -1,0 +1,284 @@
+"""``gradmap.compare``: time the loop, threads and processes on the user's own ``f`` and items, and
+say which to use.
+
+NOTE [which executor]:
+    Which executor is fastest depends on ``f``, not on gradmap: a forward of many small ops holds
+    the GIL and runs no faster on threads than in one (threads still run the backward in
+    parallel); a forward of large ops scales on threads; processes run any forward in parallel
+    but pay for pickling the items and results and for their round trips. So gradmap measures
+    rather than guesses: each candidate computes the same loss (the sum of every floating-point
+    result leaf) and its backward, interleaved with the others, several times; the medians of
+    forward + backward are compared with the plain loop's, and every candidate's gradients are
+    checked against the loop's. The ``.grad`` of every leaf the loss reaches is put back as it
+    was, so a comparison in the middle of training changes nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Comparison", "compare"]
+
+
+@dataclass
+class Row:
+    """One candidate's medians (seconds) and its largest gradient difference from the loop."""
+
+    name: str
+    forward: float
+    backward: float
+    grad_error: float | None = None
+    error: str | None = None
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+@dataclass
+class Comparison:
+    """What [`compare`][gradmap.compare] measured.
+
+    Attributes:
+        rows: the faster loop first, then the other candidates, with median forward and backward
+            seconds.
+        best: the name of the fastest candidate whose gradients match the loop's (a loop if
+            none beats the faster loop).
+        cores: the cores available to the process.
+    """
+
+    rows: list[Row]
+    best: str
+    cores: int
+    notes: list[str] = field(default_factory=list)
+
+    def speedup(self, name: str) -> float | None:
+        """The candidate's speed-up over the faster loop (forward + backward)."""
+        loop = self.rows[0].total
+        for row in self.rows:
+            if row.name == name and row.error is None and row.total > 0:
+                return loop / row.total
+        return None
+
+    def __str__(self) -> str:
+        lines = [
+            f"gradmap.compare ({self.cores} cores): median forward + backward vs the faster loop",
+            f"{'candidate':<28} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'speed-up':>8}"
+            f" {'max rel dgrad':>13}",
+        ]
+        for row in self.rows:
+            if row.error is not None:
+                lines.append(f"{row.name:<28} failed: {row.error}")
+                continue
+            speedup = self.speedup(row.name)
+            grad = "-" if row.grad_error is None else f"{row.grad_error:.1e}"
+            lines.append(
+                f"{row.name:<28} {row.forward * 1e3:9.2f} {row.backward * 1e3:9.2f} "
+                f"{row.total * 1e3:9.2f} {speedup or 0:7.2f}x {grad:>13}"
+            )
+        lines.extend(self.notes)
+        if self.best.startswith("loop"):
+            lines.append(f"use: the plain {self.best} (no map was faster here)")
+        else:
+            lines.append(f"use: {self.best} ({self.speedup(self.best):.2f}x the loop)")
+        return "\n".join(lines)
+
+
+def compare(
+    f: Callable[..., Any],
+    *iterables: Iterable[Any],
+    executors: Sequence[str] = ("threads", "processes"),
+    tsum: bool = False,
+    reps: int = 3,
+    workers: int | None = None,
+    tol: float = 1e-4,
+) -> Comparison:
+    """Time the plain loop, ``tmap`` (or ``tsum``) on each executor, on your ``f`` and items, and
+    say which is fastest.
+
+    Each candidate computes the sum of every floating-point leaf of every result and its
+    ``backward()``, ``reps`` times, interleaved with the others (after one untimed warm-up run
+    each, which also starts the worker processes); the medians are compared with the loop's, and
+    each candidate's gradients with the loop's (relative difference at most ``tol``, else it is
+    not recommended). The ``.grad`` of every leaf is restored afterwards.
+
+    Arguments:
+        f, *iterables: as for ``tmap``; iterables are read once, into a list.
+        executors: the executors to try (names ``tmap`` takes: ``"threads"``, ``"processes"``,
+            ``"ray"``, ...).
+        tsum: time ``gradmap.tsum`` instead of ``tmap`` (for a loss that is a sum over elements).
+        reps: timed runs per candidate.
+        workers: ``workers`` for every candidate (``None``: each executor's default).
+        tol: the largest relative gradient difference from the loop a candidate may show.
+
+    Returns:
+        A [`Comparison`][gradmap.Comparison]; ``print`` it for a table and a recommendation.
+
+    Example:
+        >>> report = gradmap.compare(bag_loss, bags, tsum=True)  # doctest: +SKIP
+        >>> print(report)  # doctest: +SKIP
+    """
+    import torch
+
+    from ._api import tmap
+    from ._api import tsum as sum_map
+    from ._executors import available_cores
+
+    if reps < 1:
+        raise ValueError(f"gradmap.compare: reps must be at least 1, got {reps}")
+    items = [list(it) for it in iterables]
+    elements = list(zip(*items))
+    if not elements:
+        raise ValueError("gradmap.compare: there are no elements to time")
+    mapped = sum_map if tsum else tmap
+    label = "tsum" if tsum else "tmap"
+
+    def loop() -> Any:
+        results = [f(*args) for args in elements]
+        return _loss(results, summed=False)
+
+    candidates: list[tuple[str, Callable[[], Any]]] = [("loop", loop)]
+    if torch.get_num_threads() > 1:
+        # The loop with one intra-op thread is often faster on small ops; the baseline is the
+        # faster of the two loops, as in ``gradmap bench``.
+        candidates.append(("loop, set_num_threads(1)", loop))
+    for name in executors:
+
+        def run(name: str = name) -> Any:
+            out = mapped(f, *items, executor=name, workers=workers)
+            return _loss(out, summed=tsum)
+
+        candidates.append((f"{label}(executor={name!r})", run))
+
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in candidates}
+    grads: dict[str, list[Any]] = {}
+    failed: dict[str, str] = {}
+    for rep in range(reps + 1):
+        for name, run in candidates:
+            if name in failed:
+                continue
+            try:
+                forward, backward, got = _timed(run, 1 if name.endswith("(1)") else None)
+            except Exception as exc:
+                failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                continue
+            if rep == 0:
+                grads[name] = got
+            else:
+                times[name].append((forward, backward))
+    rows = []
+    for name, _ in candidates:
+        if name in failed:
+            rows.append(Row(name, 0.0, 0.0, error=failed[name]))
+            continue
+        forward = statistics.median(t for t, _ in times[name])
+        backward = statistics.median(t for _, t in times[name])
+        error = None if name.startswith("loop") else _difference(grads[name], grads["loop"], torch)
+        rows.append(Row(name, forward, backward, error))
+    baseline = min((r for r in rows if r.name.startswith("loop")), key=lambda r: r.total)
+    rows.remove(baseline)
+    rows.insert(0, baseline)
+    best, best_total = baseline.name, baseline.total
+    notes = []
+    for row in rows[1:]:
+        if row.error is not None or row.name.startswith("loop"):
+            continue
+        if row.grad_error is not None and row.grad_error > tol:
+            notes.append(f"{row.name}: gradients differ from the loop's ({row.grad_error:.1e})")
+            continue
+        if row.total < best_total:
+            best, best_total = row.name, row.total
+    return Comparison(rows, best, available_cores(), notes)
+
+
+def _loss(results: Any, summed: bool) -> Any:
+    import torch
+
+    from ._tree import flatten
+
+    leaves, _ = flatten(results)
+    terms = [
+        t.sum()
+        for t in leaves
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not terms:
+        raise ValueError(
+            "gradmap.compare: f's results have no floating-point tensor that requires grad, "
+            "so there is no backward to time"
+        )
+    return torch.stack(terms).sum()
+
+
+def _timed(run: Callable[[], Any], threads: int | None) -> tuple[float, float, list[Any]]:
+    """One run (with ``threads`` intra-op threads, if given): forward seconds, backward seconds,
+    and the gradients of the leaves (the leaves' ``.grad`` put back as it was)."""
+    import torch
+
+    if threads is None:
+        return _timed_as_is(run)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _timed_as_is(run)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _timed_as_is(run: Callable[[], Any]) -> tuple[float, float, list[Any]]:
+    t0 = time.perf_counter()
+    loss = run()
+    t1 = time.perf_counter()
+    leaves = _leaves(loss)
+    saved = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        got = [leaf.grad for leaf in leaves]
+    finally:
+        for leaf, grad in zip(leaves, saved):
+            leaf.grad = grad
+    return t1 - t0, t3 - t2, got
+
+
+def _leaves(loss: Any) -> list[Any]:
+    """The leaves that require grad the loss reaches, in a fixed order."""
+    seen: set[int] = set()
+    leaves = []
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+        stack.extend(child for child, _ in node.next_functions)
+    leaves.sort(key=id)  # the same tensor objects whichever candidate built the graph
+    return leaves
+
+
+def _difference(got: list[Any], want: list[Any], torch: Any) -> float:
+    """The largest relative difference between two lists of gradients (inf if they differ in
+    shape or count)."""
+    if len(got) != len(want):
+        return float("inf")
+    worst = 0.0
+    for a, b in zip(got, want):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                return float("inf")
+            continue
+        if a.shape != b.shape:
+            return float("inf")
+        scale = float(b.abs().max()) or 1.0
+        worst = max(worst, float((a - b).abs().max()) / scale)
+    return worst
