@@ -139,20 +139,17 @@ def compare(
 
     def loop() -> Any:
         results = [f(*args) for args in elements]
-        return _loss(results, summed=False)
+        return _loss(results)
 
     candidates: list[tuple[str, Callable[[], Any]]] = [("loop", loop)]
     if torch.get_num_threads() > 1:
         # The loop with one intra-op thread is often faster on small ops; the baseline is the
         # faster of the two loops, as in ``gradmap bench``.
         candidates.append(("loop, set_num_threads(1)", loop))
-    for name in executors:
-
-        def run(name: str = name) -> Any:
-            out = mapped(f, *items, executor=name, workers=workers)
-            return _loss(out, summed=tsum)
-
-        candidates.append((f"{label}(executor={name!r})", run))
+    for executor in executors:
+        candidates.append(
+            (f"{label}(executor={executor!r})", _mapped(mapped, f, items, executor, workers))
+        )
 
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in candidates}
     grads: dict[str, list[Any]] = {}
@@ -195,7 +192,20 @@ def compare(
     return Comparison(rows, best, available_cores(), notes)
 
 
-def _loss(results: Any, summed: bool) -> Any:
+def _mapped(
+    mapped: Callable[..., Any],
+    f: Callable[..., Any],
+    items: list[list[Any]],
+    executor: str,
+    workers: int | None,
+) -> Callable[[], Any]:
+    def run() -> Any:
+        return _loss(mapped(f, *items, executor=executor, workers=workers))
+
+    return run
+
+
+def _loss(results: Any) -> Any:
     import torch
 
     from ._tree import flatten
