@@ -283,7 +283,9 @@ class _TraceCache:
 
     def __init__(self) -> None:
         self._entries: OrderedDict[Hashable, _SharedTraces] = OrderedDict()
-        self._lock = threading.Lock()
+        # Reentrant: a holder may die (and its weak reference call ``_drop``) while ``entry``
+        # holds the lock, when a garbage collection runs inside it; a plain lock deadlocked.
+        self._lock = threading.RLock()
 
     def entry(self, closure: Closure) -> _SharedTraces:
         key = closure.key
