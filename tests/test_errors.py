@@ -138,7 +138,8 @@ def test_f_not_callable():
 
 
 def test_bad_executor_name():
-    with pytest.raises(ValueError, match=r"expected one of \['ray', 'serial', 'threads'\]"):
+    names = r"\['processes', 'ray', 'serial', 'threads'\]"
+    with pytest.raises(ValueError, match=rf"expected one of {names}"):
         gradmap.tmap(lambda x: x, [1], executor="procs")
 
 

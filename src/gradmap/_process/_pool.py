@@ -216,6 +216,23 @@ class Pool:
                     self.workers[i] = _Worker(self.threads)
             return self.workers[:count]
 
+    def forget_dead(self) -> None:
+        """Tell the workers to forget the storages that died in the caller."""
+        dead = self.sharer.take_dead()
+        if not dead:
+            return
+        with self.lock:
+            workers = list(self.workers)
+        for w in workers:
+            with w.lock:
+                gone = w.storages & dead
+                if gone and w.alive:
+                    w.storages -= gone
+                    w.send(("forget", (sorted(gone),)))
+                    call = _Call(w)
+                    call.cancelled = True
+                    w.pending.append(call)
+
     def shutdown(self) -> None:
         with self.lock:
             workers, self.workers = self.workers, []
@@ -224,14 +241,15 @@ class Pool:
 
 
 class _Box:
-    """``f``'s payload for one map: its digest, and the shared storages it names."""
+    """``f``'s payload for one map: its digest, and the shared storages it names (kept alive
+    while the map is)."""
 
     __slots__ = ("digest", "keys", "payload")
 
-    def __init__(self, payload: bytes, keys: set[tuple[int, int]]) -> None:
+    def __init__(self, payload: bytes, storages: dict[tuple[int, int], Any]) -> None:
         self.payload = payload
         self.digest = hashlib.blake2b(payload, digest_size=16).digest()
-        self.keys = keys
+        self.keys = storages
 
 
 class ProcessTransport(Transport):
@@ -244,6 +262,7 @@ class ProcessTransport(Transport):
         super().__init__(count)
         self.pool = pool
         self._workers = pool.ensure(count)
+        pool.forget_dead()
         pool.sharer.take_used()  # what f's payload names is collected from here on
 
     def _worker(self, index: int) -> _Worker:

@@ -17,6 +17,12 @@ NOTE [parameters in shared memory]:
     swapped storage (``p.data = torch.randn(...)``) is a new storage: it is noticed at the next
     call (its key is new), shared and sent; nothing goes stale.
 
+    Storages are tracked weakly: when one dies in the caller (a step's temporary tensor that
+    ``f`` closed over, a swapped parameter's old storage), its key is queued, and the next call
+    to each worker that holds it tells that worker to forget it, so neither side keeps its
+    descriptor or its pages. A map's payload keeps the storages it names alive while the map
+    lives (a worker that restarts mid-map gets them again).
+
     ``f``'s payload is then the same bytes from call to call while ``f`` is unchanged (the keys
     do not change with the values), so a worker keeps it, and the function unpickled from it, by
     the payload's digest, and a call sends the digest alone.
@@ -29,7 +35,7 @@ NOTE [parameters in shared memory]:
 from __future__ import annotations
 
 import os
-import threading
+import weakref
 from typing import Any
 
 import torch
@@ -70,9 +76,11 @@ class Sharer:
     """The caller's shared storages, by key, and the file descriptors to send for them."""
 
     def __init__(self) -> None:
+        # Plain dict and list operations only (atomic under the GIL): ``_died`` runs from a
+        # finalizer, at any allocation of any thread, and must take no lock.
         self._fds: dict[tuple[int, int], tuple[int, int, Any]] = {}
-        self._lock = threading.Lock()
-        self.used: set[tuple[int, int]] = set()  # keys met since ``take_used``
+        self.used: dict[tuple[int, int], Any] = {}  # keys met since ``take_used``: storages
+        self.dead: list[tuple[int, int]] = []  # keys whose storages died, to forget
 
     def __call__(self, t: Tensor) -> SharedRef | None:
         """A reference to ``t`` in shared memory (moving its storage there), or ``None`` if it
@@ -93,27 +101,29 @@ class Sharer:
             return None  # a storage that cannot move (from numpy), or shared by file name
         stat = os.fstat(fd)
         key = (stat.st_dev, stat.st_ino)
-        with self._lock:
-            if key not in self._fds:
-                self._fds[key] = (fd, size, storage)  # the storage keeps the fd open
-            self.used.add(key)
+        if key not in self._fds:
+            self._fds[key] = (fd, size, weakref.finalize(storage, self._died, key))
+        self.used[key] = storage
         return SharedRef(key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
-    def take_used(self) -> set[tuple[int, int]]:
-        with self._lock:
-            used, self.used = self.used, set()
+    def take_used(self) -> dict[tuple[int, int], Any]:
+        """The storages met since the last call, by key (a map's payload keeps them alive)."""
+        used, self.used = self.used, {}
         return used
 
     def fd(self, key: tuple[int, int]) -> tuple[int, int]:
-        """The file descriptor and size of a shared storage."""
+        """The file descriptor and size of a live shared storage (the storage holds the fd)."""
         fd, size, _ = self._fds[key]
         return fd, size
 
-    def forget(self, keys: set[tuple[int, int]]) -> None:
-        """Drop the storages no payload names any more (a swapped parameter's old storage)."""
-        with self._lock:
-            for key in keys:
-                self._fds.pop(key, None)
+    def _died(self, key: tuple[int, int]) -> None:
+        self._fds.pop(key, None)
+        self.dead.append(key)
+
+    def take_dead(self) -> set[tuple[int, int]]:
+        """The keys whose storages died since the last call."""
+        dead, self.dead = self.dead, []
+        return set(dead)
 
 
 class WorkerStorages:

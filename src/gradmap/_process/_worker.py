@@ -9,18 +9,22 @@ large answer never waits for a caller blocked on a large call. Storages in share
 as file descriptors on the second socket (NOTE [parameters in shared memory] in ``_shared.py``).
 
 The worker exits when the caller's end of the socket closes (the caller exited, or shut the pool
-down), and on Linux also when the caller dies (``PR_SET_PDEATHSIG``): no worker outlives its
-caller. It ignores ``SIGINT``: a Ctrl-C in the terminal is the caller's to handle.
+down), and when its parent changes (a thread checks every second: the caller died while a child
+of its own kept the socket open): no worker outlives its caller. (``PR_SET_PDEATHSIG`` would be
+quicker, but Linux sends it when the *thread* that started the worker exits, and a map called
+from a short-lived thread would lose its workers.) It ignores ``SIGINT``: a Ctrl-C in the
+terminal is the caller's to handle.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from collections import OrderedDict
 from multiprocessing.connection import Connection
@@ -36,19 +40,18 @@ FDS_PER_MESSAGE = 200
 PAYLOADS_KEPT = 8
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # pragma: no cover - not Linux
-        pass
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
 
 
 def main() -> None:
     parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # pragma: no cover - the caller died before the line above
-        os._exit(0)
+    threading.Thread(
+        target=_watch_parent, args=(parent,), name="gradmap-parent", daemon=True
+    ).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     fds = socket.socket(fileno=int(sys.argv[2]))
@@ -66,11 +69,13 @@ def main() -> None:
             message = conn.recv_bytes()
         except (EOFError, OSError):
             break
+        start = time.perf_counter()
         method, args = pickle.loads(message)
         try:
             reply: Any = ("ok", getattr(host, method)(*args))
         except BaseException as exc:
             reply = _error(exc)
+        host.busy += time.perf_counter() - start
         try:
             conn.send_bytes(_dumps(reply))
         except (BrokenPipeError, ConnectionResetError):

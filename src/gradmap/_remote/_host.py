@@ -320,7 +320,11 @@ class Host:
                     state.seed.drawn,
                 )
             )
-        total = torch.stack([t.detach() for t in record.outputs]).sum()
+        # Added one by one, in element order, as the thread executor adds a chunk's results.
+        values = [t.detach() for t in record.outputs]
+        total = values[0]
+        for value in values[1:]:
+            total = total + value
         return dumps_results(("sum", total, _by_pid(pids, grads), state.seed.drawn))
 
     def _rerun(self, state: _CallState, start: int, local: list[Any]) -> ChunkRecord:

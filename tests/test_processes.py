@@ -1,0 +1,957 @@
+"""The process executor (``executor="processes"``, ``gradmap.ProcessExecutor``): the plain loop's
+results and gradients from worker processes; shared memory, random numbers, errors, dead workers.
+
+One executor of 2 workers serves the whole module (a worker takes about 1.5 s to start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+from torch import nn
+
+import gradmap
+
+from support import Boom, deadline, notes
+
+#: Every worker pid a test saw (killed ones included): none may outlive ``shutdown``.
+_SEEN_PIDS: set[int] = set()
+
+
+@pytest.fixture(scope="module")
+def ex() -> Iterator[Any]:
+    # Functions and classes of this module travel by value (workers cannot import it).
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    executor = gradmap.ProcessExecutor(workers=2, timeout=120)
+    try:
+        yield executor
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        executor.shutdown()
+
+
+def _pids(ex: Any) -> list[int]:
+    pids = ex.worker_pids()
+    _SEEN_PIDS.update(pids)
+    return pids
+
+
+def _ragged(n: int = 10, d: int = 4, seed: int = 0, grad: bool = True) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(int(k), d, generator=g).requires_grad_(grad)
+        for k in torch.randint(1, 7, (n,), generator=g)
+    ]
+
+
+class _Setup:
+    """An MLP, a closure tensor, a non-leaf tensor made before the call, and ragged items."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.w = torch.randn(4, requires_grad=True)
+        self.a = torch.randn(4, requires_grad=True)
+        self.xs = _ragged()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), self.w, self.a, *self.xs]
+
+    def f(self) -> Any:
+        b = self.a * 2  # non-leaf: its own graph runs once, on the driver
+        model, w = self.model, self.w
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(model(x * w + b)).sum() ** 2
+
+        return f
+
+    def grads(self, mapper: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ys = mapper(self.f(), self.xs)
+        loss = sum((i + 1) * y for i, y in enumerate(ys))
+        return list(torch.autograd.grad(loss, self.tensors())), [y.detach() for y in ys]
+
+
+def _loop(f: Any, *xs: Any) -> list[Any]:
+    return [f(*args) for args in zip(*xs)]
+
+
+def _loop_sum(f: Any, *xs: Any) -> Any:
+    results = _loop(f, *xs)
+    total = results[0]
+    for y in results[1:]:
+        total = torch.utils._pytree.tree_map(torch.add, total, y)
+    return total
+
+
+def _on(ex: Any, **kwargs: Any) -> Any:
+    return lambda f, *xs: gradmap.tmap(f, *xs, executor=ex, chunksize=2, **kwargs)
+
+
+def _close(got: Any, ref: Any) -> None:
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r)
+
+
+def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _works(ex: Any) -> None:
+    """A map after an error, a kill or a restart: the loop's results and gradients."""
+    w = torch.randn(3, requires_grad=True)
+    xs = torch.randn(5, 3)
+    f = lambda x: torch.tanh(x * w).sum()  # noqa: E731
+    ys = gradmap.tmap(f, xs, executor=ex, chunksize=1)
+    ref = _loop(f, xs)
+    _close(ys, ref)
+    _close(
+        torch.autograd.grad(torch.stack(ys).sum(), [w]),
+        torch.autograd.grad(torch.stack(ref).sum(), [w]),
+    )
+
+
+# -- results and gradients: the loop's --------------------------------------------------------
+
+
+def test_runs_on_the_workers(ex):
+    pids = _pids(ex)
+    assert len(pids) == 2 and os.getpid() not in pids
+    seen = gradmap.tmap(lambda i: os.getpid(), range(8), executor=ex, chunksize=1)
+    assert set(seen) <= set(pids)
+
+
+def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
+    s = _Setup()
+    ref_ys = _loop(s.f(), s.xs)
+    sum((i + 1) * y for i, y in enumerate(ref_ys)).backward()
+    ref = [t.grad.clone() for t in s.tensors()]
+    for t in s.tensors():
+        t.grad = None
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
+    assert all(y.requires_grad for y in ys)
+    _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
+    sum((i + 1) * y for i, y in enumerate(ys)).backward()
+    _close([t.grad for t in s.tensors()], ref)
+
+
+def test_mlp_matches_loop_with_autograd_grad(ex):
+    s = _Setup()
+    ref, ref_y = s.grads(_loop)
+    got, got_y = s.grads(_on(ex))
+    _close(got_y, ref_y)
+    _close(got, ref)
+
+
+def test_deterministic_across_runs_workers_and_threads(ex):
+    s = _Setup()
+    first, _ = s.grads(_on(ex))
+    second, _ = s.grads(_on(ex))
+    one_worker, _ = s.grads(_on(gradmap.ProcessExecutor(workers=1, timeout=120)))
+    threads, _ = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="threads", chunksize=2))
+    _bitwise(first, second)
+    _bitwise(first, one_worker)
+    _bitwise(first, threads)
+
+
+def test_closure_tensor_and_non_leaf_made_before_the_call(ex):
+    w = torch.randn(3, requires_grad=True)
+    c = torch.randn(3, requires_grad=True)
+    xs = torch.randn(6, 3)
+
+    def make() -> Any:  # one per path: the first backward frees the non-leaves' graphs
+        h = 2 * w  # non-leaf: the gradient must reach w through it
+        k = torch.exp(c)
+        return lambda x: (torch.sin(x * h) * k).sum() ** 2
+
+    ref = _loop(make(), xs)
+    got = gradmap.tmap(make(), xs, executor=ex, chunksize=2)
+    _close(got, ref)
+    g = torch.autograd.grad(torch.stack(got).pow(2).sum(), [w, c])
+    r = torch.autograd.grad(torch.stack(ref).pow(2).sum(), [w, c])
+    assert all(t.abs().sum() > 0 for t in g)
+    _close(g, r)
+
+
+def test_items_requiring_grad_leaf_and_non_leaf(ex):
+    x0 = torch.randn(6, 3, requires_grad=True)
+    leaves = [torch.randn(2, requires_grad=True) for _ in range(6)]
+    w = torch.randn(3, requires_grad=True)
+    f = lambda x, v: (x * w).sum() * v.sin().sum()  # noqa: E731
+    ref = _loop(f, x0 * 2, leaves)
+    got = gradmap.tmap(f, x0 * 2, leaves, executor=ex, chunksize=2)  # non-leaf rows
+    _close(got, ref)
+    weights = torch.arange(1.0, 7.0)
+    inputs = [x0, w, *leaves]
+    _close(
+        torch.autograd.grad((torch.stack(got) * weights).sum(), inputs),
+        torch.autograd.grad((torch.stack(ref) * weights).sum(), inputs),
+    )
+
+
+def test_one_tensor_as_item_closure_and_result(ex):
+    w = torch.randn(3, requires_grad=True)
+
+    def items() -> list[torch.Tensor]:  # fresh non-leaves per path
+        return [w, w * 2, w, torch.tanh(w)]
+
+    f = lambda x: (x, (x * w).sum(), w[1:])  # noqa: E731
+    got = gradmap.tmap(f, items(), executor=ex, chunksize=1)
+    ref = _loop(f, items())
+
+    def loss(out: list[Any]) -> torch.Tensor:
+        return sum((i + 1) * (a.sum() + b + c.prod()) for i, (a, b, c) in enumerate(out))
+
+    torch.testing.assert_close(loss(got), loss(ref))
+    _close(torch.autograd.grad(loss(got), [w]), torch.autograd.grad(loss(ref), [w]))
+
+
+def test_pytree_results_tuple_and_dict(ex):
+    xs = _ragged(n=7)
+    w = torch.randn(4, requires_grad=True)
+
+    def f(x: torch.Tensor) -> tuple[Any, ...]:
+        y = x * w
+        return y.sum(), {"max": y.max(), "rows": x.shape[0], "mean": y.mean(0)}, "tag"
+
+    ref = _loop(f, xs)
+    got = gradmap.tmap(f, xs, executor=ex, chunksize=3)
+    assert [g[2] for g in got] == ["tag"] * 7
+    assert [g[1]["rows"] for g in got] == [r[1]["rows"] for r in ref]
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g[0], r[0])
+        torch.testing.assert_close(g[1]["max"], r[1]["max"])
+        torch.testing.assert_close(g[1]["mean"], r[1]["mean"])
+
+    def loss(out: list[Any]) -> torch.Tensor:
+        return sum(o[0] * 2 + o[1]["max"] + (o[1]["mean"] * torch.arange(4.0)).sum() for o in out)
+
+    _close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
+
+
+def test_results_not_requiring_grad(ex):
+    w = torch.randn(3, requires_grad=True)
+    xs = torch.randn(5, 3)
+    # A mix: one result leaf requires grad, the others do not.
+    f = lambda x: ((x * w).sum(), (x * 3).sum(), x.detach() * w.detach())  # noqa: E731
+    got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
+    ref = _loop(f, xs)
+    for g, r in zip(got, ref):
+        assert g[0].requires_grad and not g[1].requires_grad and not g[2].requires_grad
+        _close(g, r)
+    # Nothing requires grad at all (grad mode on): plain tensors come back.
+    c = torch.randn(3)
+    h = lambda x: (x * c).sum()  # noqa: E731
+    got = gradmap.tmap(h, xs, executor=ex, chunksize=2)
+    assert not any(y.requires_grad for y in got)
+    _close(got, _loop(h, xs))
+
+
+def test_autograd_grad_with_inputs(ex):
+    s = _Setup()
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
+    ref = _loop(s.f(), s.xs)
+    some = [s.w, s.xs[3], s.a]
+    _close(
+        torch.autograd.grad(outputs=torch.stack(ys).sum(), inputs=some),
+        torch.autograd.grad(outputs=torch.stack(ref).sum(), inputs=some),
+    )
+    # backward(inputs=...): only those accumulate.
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
+    torch.stack(ys).sum().backward(inputs=[s.w])
+    (r,) = torch.autograd.grad(torch.stack(_loop(s.f(), s.xs)).sum(), [s.w])
+    torch.testing.assert_close(s.w.grad, r)
+    assert s.a.grad is None and all(p.grad is None for p in s.model.parameters())
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_retain_graph_then_second_backward(ex, api):
+    s = _Setup()
+    f = s.f()
+    if api == "tmap":
+        loss = torch.stack(gradmap.tmap(f, s.xs, executor=ex, chunksize=3)).sum()
+    else:
+        loss = gradmap.tsum(f, s.xs, executor=ex, chunksize=3)
+    ref = torch.autograd.grad(torch.stack(_loop(s.f(), s.xs)).sum(), s.tensors())
+    g1 = torch.autograd.grad(loss, s.tensors(), retain_graph=True)
+    g2 = torch.autograd.grad(loss, s.tensors())
+    _close(g1, ref)
+    _close(g2, ref)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_no_grad_forward(ex, api):
+    s = _Setup()
+    f = s.f()
+    with torch.no_grad():
+        ref = _loop(f, s.xs)
+        if api == "tmap":
+            got = gradmap.tmap(f, s.xs, executor=ex, chunksize=2)
+            assert not any(y.requires_grad for y in got)
+            _close(got, ref)
+        else:
+            got = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
+            assert not got.requires_grad
+            torch.testing.assert_close(got, torch.stack(ref).sum())
+
+
+# -- tsum -------------------------------------------------------------------------------------
+
+
+def test_tsum_of_losses_matches_loop(ex):
+    s = _Setup()
+    total = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2)
+    ref = _loop_sum(s.f(), s.xs)
+    torch.testing.assert_close(total, ref)
+    _close(torch.autograd.grad(total * 3, s.tensors()), torch.autograd.grad(ref * 3, s.tensors()))
+
+
+def test_tsum_of_vectors(ex):
+    s = _Setup()
+    model, w = s.model, s.w
+
+    def make() -> Any:
+        b = s.a * 2  # non-leaf, one per path (its graph is freed by the first backward)
+        return lambda x: torch.tanh(model[0](x * w + b)).mean(0)  # a vector of 8
+
+    total = gradmap.tsum(make(), s.xs, executor=ex, chunksize=3)
+    ref = _loop_sum(make(), s.xs)
+    assert total.shape == (8,)
+    torch.testing.assert_close(total, ref)
+    weights = torch.linspace(-1, 2, 8)
+    inputs = [*model[0].parameters(), s.w, s.a, *s.xs]
+    _close(
+        torch.autograd.grad((total * weights).sum(), inputs),
+        torch.autograd.grad((ref * weights).sum(), inputs),
+    )
+
+
+def test_tsum_of_tuples(ex):
+    s = _Setup()
+    w = s.w
+
+    def make() -> Any:
+        f0 = s.f()
+        return lambda x: (f0(x), (x * w).sum(0), {"sq": (x**2).sum()})
+
+    total = gradmap.tsum(make(), s.xs, executor=ex, chunksize=3)
+    ref = _loop_sum(make(), s.xs)
+    assert isinstance(total, tuple) and len(total) == 3
+    torch.testing.assert_close(total[0], ref[0])
+    torch.testing.assert_close(total[1], ref[1])
+    torch.testing.assert_close(total[2]["sq"], ref[2]["sq"])
+
+    def loss(t: Any) -> torch.Tensor:
+        return t[0] + (t[1] * torch.arange(4.0)).sum() + 0.5 * t[2]["sq"]
+
+    _close(
+        torch.autograd.grad(loss(total), s.tensors()), torch.autograd.grad(loss(ref), s.tensors())
+    )
+
+
+def test_tsum_with_items_requiring_grad(ex):
+    x0 = torch.randn(7, 3, requires_grad=True)
+    others = [torch.randn(3, requires_grad=True) for _ in range(7)]
+    f = lambda x, o: (x * o).sum().sin()  # noqa: E731
+    total = gradmap.tsum(f, torch.exp(x0), others, executor=ex, chunksize=2)  # non-leaf rows
+    ref = _loop_sum(f, torch.exp(x0), others)
+    torch.testing.assert_close(total, ref)
+    _close(
+        torch.autograd.grad(total, [x0, *others]),
+        torch.autograd.grad(ref, [x0, *others]),
+    )
+
+
+# -- gradcheck, double backward, remat -------------------------------------------------------
+
+
+def test_gradcheck_tmap(ex):
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def fn(w: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            gradmap.tmap(lambda x: torch.sin(x * w).sum() ** 2, xs, executor=ex, chunksize=2)
+        )
+
+    assert torch.autograd.gradcheck(fn, (w, xs))
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["losses", "vectors"])
+def test_gradcheck_tsum(ex, vector):
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def fn(w: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        if vector:
+            f = lambda x: torch.sin(x * w) * x.sum()  # noqa: E731
+        else:
+            f = lambda x: torch.sin(x * w).sum() ** 2  # noqa: E731
+        return gradmap.tsum(f, xs, executor=ex, chunksize=2)
+
+    assert torch.autograd.gradcheck(fn, (w, xs))
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_create_graph_backward_raises_naming_threads(ex, api):
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    f = lambda x: (x * w).pow(2).sum()  # noqa: E731
+    if api == "tmap":
+        loss = torch.stack(gradmap.tmap(f, xs, executor=ex, chunksize=2)).sum()
+    else:
+        loss = gradmap.tsum(f, xs, executor=ex, chunksize=2)
+    with pytest.raises(NotImplementedError) as info:
+        torch.autograd.grad(loss, [w], create_graph=True)
+    assert "executor='threads'" in str(info.value)
+    del loss, info
+    _works(ex)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_remat_matches_loop(ex, api):
+    s = _Setup()
+    if api == "tmap":
+        ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
+        loss = sum((i + 1) * y for i, y in enumerate(ys))
+    else:
+        loss = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
+    ref_ys = _loop(s.f(), s.xs)
+    if api == "tmap":
+        _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
+    ref = sum((i + 1) * y for i, y in enumerate(ref_ys)) if api == "tmap" else sum(ref_ys)
+    torch.testing.assert_close(loss, ref)
+    _close(torch.autograd.grad(loss, s.tensors()), torch.autograd.grad(ref, s.tensors()))
+
+
+# -- shared memory: never stale ---------------------------------------------------------------
+
+
+def test_optimizer_step_in_place_is_seen(ex):
+    s = _Setup()
+    model = s.model
+    xs = [x.detach() for x in s.xs]
+    f = lambda x: torch.sin(model(x)).sum() ** 2  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = gradmap.tsum(f, xs, executor=ex, chunksize=2)
+        torch.testing.assert_close(loss, _loop_sum(f, xs))
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        ref = torch.autograd.grad(_loop_sum(f, xs), list(model.parameters()))
+        _close(grads, ref)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    # tmap too, after the steps
+    ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
+    _close([y.detach() for y in ys], [y.detach() for y in _loop(f, xs)])
+
+
+def test_swapped_data_and_in_place_constants_are_seen(ex):
+    lin = nn.Linear(3, 2)
+    c = torch.randn(2)  # a closure constant (no grad): in shared memory too
+    xs = torch.randn(6, 3)
+    f = lambda x: (torch.tanh(lin(x)) * c).sum()  # noqa: E731
+
+    def check() -> None:
+        ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
+        ref = _loop(f, xs)
+        _close([y.detach() for y in ys], [y.detach() for y in ref])
+        _close(
+            torch.autograd.grad(torch.stack(ys).sum(), list(lin.parameters())),
+            torch.autograd.grad(torch.stack(ref).sum(), list(lin.parameters())),
+        )
+
+    check()
+    for p in lin.parameters():
+        p.data = torch.randn_like(p)  # a new storage
+    check()
+    for p in lin.parameters():
+        p.data = torch.randn_like(p)  # and another
+    check()
+    with torch.no_grad():
+        c.mul_(-3)
+        lin.weight.add_(1.0)
+    check()
+    c.data = torch.randn(2)
+    check()
+
+
+def test_changed_python_closure_is_seen(ex):
+    w = torch.randn(3, requires_grad=True)
+    state = {"scale": 1.0}
+    f = lambda x: (x * w).sum() * state["scale"]  # noqa: E731
+    xs = torch.randn(4, 3)
+    for scale in (1.0, 5.0, -2.0):
+        state["scale"] = scale
+        got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
+        _close([y.detach() for y in got], [y.detach() for y in _loop(f, xs)])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_fresh_closure_tensors_do_not_accumulate(ex):
+    # A training loop: each step's f closes over that step's tensors (targets, masks). Once a
+    # step is over, nothing of them may stay behind (each shared storage holds a descriptor).
+    w = torch.randn(3, requires_grad=True)
+    xs = torch.randn(4, 3)
+
+    def step() -> None:
+        target = torch.randn(3)
+        loss = gradmap.tsum(lambda x: ((x * w).sum() - target[0]) ** 2, xs, executor=ex)
+        loss.backward()
+        torch.testing.assert_close(
+            loss.detach(), sum(((x * w).sum() - target[0]) ** 2 for x in xs).detach()
+        )
+
+    step()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(40):
+        step()
+    grown = len(os.listdir("/proc/self/fd")) - before
+    assert grown < 10, f"{grown} more open file descriptors after 40 steps"
+
+
+# -- random numbers ---------------------------------------------------------------------------
+
+
+def _noisy(w: torch.Tensor) -> Any:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn(x.shape)
+        keep = (torch.rand(x.shape[0], 1) > 0.3).to(x.dtype)
+        return ((x * w + noise) ** 2 * keep).sum(), torch.cat([noise, keep], 1)
+
+    return f
+
+
+def _noisy_reference(w: torch.Tensor, xs: list[torch.Tensor], draws: list[torch.Tensor]) -> Any:
+    # The loop with the same draws: f's formula with the noise and mask each element drew.
+    return [((x * w + d[:, :-1]) ** 2 * d[:, -1:]).sum() for x, d in zip(xs, draws)]
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
+def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
+    xs = _ragged(grad=False)
+    w = torch.randn(4, requires_grad=True)
+    f = _noisy(w)
+
+    def run(executor: Any, **kwargs: Any) -> Any:
+        torch.manual_seed(1)
+        out = gradmap.tmap(f, xs, executor=executor, chunksize=3, **kwargs)
+        ys = [o[0] for o in out]
+        draws = [o[1].detach() for o in out]
+        (g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ys)), [w])
+        return [y.detach() for y in ys], draws, g, torch.rand(())
+
+    t_ys, t_draws, t_g, t_next = run("threads")
+    p_ys, p_draws, p_g, p_next = run(ex, remat=remat)
+    _close(p_draws, t_draws)
+    _close(p_ys, t_ys)
+    torch.testing.assert_close(p_g, t_g)
+    torch.testing.assert_close(p_next, t_next)  # the generator left where threads leave it
+    # The gradient is the loop's with those draws.
+    ref = _noisy_reference(w, xs, p_draws)
+    _close(p_ys, [r.detach() for r in ref])
+    (r_g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref)), [w])
+    torch.testing.assert_close(p_g, r_g)
+    # Draws differ from element to element (each has its own generator).
+    assert not torch.equal(p_draws[0][0], p_draws[1][0])
+
+
+def test_random_tsum_matches_threads(ex):
+    xs = _ragged(grad=False)
+    w = torch.randn(4, requires_grad=True)
+    f0 = _noisy(w)
+    f = lambda x: f0(x)[0]  # noqa: E731
+
+    def run(executor: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(2)
+        total = gradmap.tsum(f, xs, executor=executor, chunksize=3)
+        (g,) = torch.autograd.grad(total, [w])
+        return total.detach(), g
+
+    t_total, t_g = run("threads")
+    p_total, p_g = run(ex)
+    torch.testing.assert_close(p_total, t_total)
+    torch.testing.assert_close(p_g, t_g)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class _LocalError(KeyError):
+    """An exception class of this module: it travels by value, and must come back as itself."""
+
+
+@pytest.mark.parametrize("error", [Boom, _LocalError], ids=["imported", "by-value"])
+def test_exception_in_forward_names_the_element(ex, error):
+    xs = _ragged()
+
+    def f(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i == 3:
+            raise error("bad bag")
+        return x.sum()
+
+    for api in (gradmap.tmap, gradmap.tsum):
+        with pytest.raises(error, match="bad bag") as info:
+            api(f, range(10), xs, executor=ex, chunksize=2)
+        assert type(info.value) is error
+        assert any("element 3" in note for note in info.value.__notes__), notes(info.value)
+        del info
+    _works(ex)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.fail:
+            raise ArithmeticError("bad backward")
+        return g, None
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_exception_in_backward_names_the_element(ex, api):
+    xs = _ragged()
+    f = lambda i, x: _FailingBackward.apply(x, i == 4).sum()  # noqa: E731
+    if api == "tmap":
+        loss = torch.stack(gradmap.tmap(f, range(10), xs, executor=ex, chunksize=3)).sum()
+        with pytest.raises(ArithmeticError, match="bad backward") as info:
+            loss.backward()
+    else:
+        # tsum pulls a chunk of losses back during the forward: the error may come from either.
+        with pytest.raises(ArithmeticError, match="bad backward") as info:
+            gradmap.tsum(f, range(10), xs, executor=ex, chunksize=3).backward()
+    assert type(info.value) is ArithmeticError
+    assert any("backward pass of element 4 (of 10)" in n for n in info.value.__notes__), notes(
+        info.value
+    )
+    del info
+    _works(ex)
+
+
+def test_unpicklable_f_says_f_must_be_picklable(ex):
+    lock = threading.Lock()
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with lock:
+            return (x * w).sum()
+
+    for api in (gradmap.tmap, gradmap.tsum):
+        with pytest.raises(Exception) as info:
+            api(f, torch.ones(4, 3), executor=ex)
+        text = str(info.value) + "\n" + notes(info.value)
+        assert "f must be picklable" in text, text
+        del info
+    _works(ex)
+
+
+def test_unpicklable_item_names_the_element(ex):
+    w = torch.randn(3, requires_grad=True)
+    tags: list[Any] = ["ok"] * 8
+    tags[5] = threading.Lock()
+    f = lambda x, tag: (x * w).sum()  # noqa: E731
+    for api in (gradmap.tmap, gradmap.tsum):
+        with pytest.raises(Exception) as info:
+            api(f, torch.ones(8, 3), tags, executor=ex, chunksize=2)
+        text = str(info.value) + "\n" + notes(info.value)
+        assert "element 5" in text, text
+        del info
+    _works(ex)
+
+
+# -- dead workers -----------------------------------------------------------------------------
+
+
+def _mark(marker: str) -> bool:
+    """Create ``marker`` with this process's pid, once: True for the one caller that did."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def _our_child(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()
+
+
+class _Killer:
+    """Kills the process whose pid appears in ``marker`` (a worker waiting to be killed)."""
+
+    def __init__(self, marker: Path, pids: list[int]) -> None:
+        self.marker, self.pids = marker, pids
+        self.killed: list[int] = []
+        self.strangers: list[int] = []
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        stop = time.monotonic() + 60
+        while time.monotonic() < stop:
+            try:
+                text = self.marker.read_text().strip()
+            except FileNotFoundError:
+                text = ""
+            if text:
+                pid = int(text)
+                if pid not in self.pids and not _our_child(pid):  # never kill anything else
+                    self.strangers.append(pid)
+                    return
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(pid)
+                return
+            time.sleep(0.005)
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity; the backward of the marked element waits to be killed (once)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, marker: str | None) -> torch.Tensor:
+        ctx.marker = marker
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.marker is not None and _mark(ctx.marker):
+            time.sleep(60)
+        return g, None
+
+
+def _lossy(s: _Setup, forward_marker: str | None, backward_marker: str | None) -> Any:
+    model, w = s.model, s.w
+    b = s.a * 2
+
+    def f(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i == 5 and forward_marker is not None and _mark(forward_marker):
+            time.sleep(60)
+        h = _SlowBackward.apply(x * w + b, backward_marker if i == 5 else None)
+        return torch.sin(model(h)).sum() ** 2
+
+    return f
+
+
+def _died(exc: BaseException) -> bool:
+    text = (str(exc) + "\n" + notes(exc)).lower()
+    return "died" in text or "lost" in text
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@deadline(90, main_thread=True)
+def test_worker_killed_while_running(ex, tmp_path, phase):
+    s = _Setup()
+    idx = range(len(s.xs))
+    ref_f = _lossy(s, None, None)
+    ref_ys = _loop(ref_f, idx, s.xs)
+    ref = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref_ys)), s.tensors())
+    pids = _pids(ex)
+    marker = tmp_path / "pid"
+    killer = _Killer(marker, pids)
+    markers = (str(marker), None) if phase == "forward" else (None, str(marker))
+    f = _lossy(s, *markers)
+    try:
+        ys = gradmap.tmap(f, idx, s.xs, executor=ex, chunksize=2)
+        _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
+        got = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ys)), s.tensors())
+    except Exception as exc:  # a clear error is allowed; a wrong gradient or a hang is not
+        assert _died(exc), f"{type(exc).__name__}: {exc}\n{notes(exc)}"
+    else:
+        _close(got, ref)
+    finally:
+        killer.join()
+    assert not killer.strangers, killer.strangers
+    assert len(killer.killed) == 1
+    _works(ex)
+    after = _pids(ex)  # the killed worker was replaced by a new process
+    assert killer.killed[0] not in after and len(after) == 2
+
+
+def _tagged(f: Any) -> Any:
+    """``f`` that also returns the pid of the process it ran in (its chunk's owner)."""
+    return lambda x: (f(x), os.getpid())
+
+
+@pytest.mark.parametrize("victims", ["one", "all"])
+@deadline(90, main_thread=True)
+def test_worker_killed_between_forward_and_backward(ex, victims):
+    s = _Setup()
+    ref, ref_y = s.grads(_loop)
+    out = gradmap.tmap(_tagged(s.f()), s.xs, executor=ex, chunksize=2)
+    ys, owners = [o[0] for o in out], {o[1] for o in out}
+    assert owners <= set(_pids(ex))
+    killed = sorted(owners)[:1] if victims == "one" else sorted(owners)
+    for pid in killed:  # workers that hold graphs of this map
+        os.kill(pid, signal.SIGKILL)
+    loss = sum((i + 1) * y for i, y in enumerate(ys))
+    try:
+        got = torch.autograd.grad(loss, s.tensors())
+    except Exception as exc:  # a clear error is allowed; a wrong gradient or a hang is not
+        assert _died(exc), f"{type(exc).__name__}: {exc}\n{notes(exc)}"
+    else:
+        _close(got, ref)
+    _close([y.detach() for y in ys], ref_y)
+    del ys, loss, out
+    _works(ex)
+    after = _pids(ex)
+    assert not set(killed) & set(after), f"killed {killed}; after: {after}"
+
+
+@deadline(90, main_thread=True)
+def test_worker_killed_between_forward_and_backward_tsum_vectors(ex):
+    s = _Setup()
+    model, w = s.model, s.w
+    f = lambda x: torch.tanh(model[0](x * w)).mean(0)  # noqa: E731  (kept on the workers)
+    total = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
+    ref = _loop_sum(f, s.xs)
+    victim = _pids(ex)[1]
+    os.kill(victim, signal.SIGKILL)
+    weights = torch.linspace(-1, 2, 8)
+    inputs = [*model[0].parameters(), w, *s.xs]
+    try:
+        got = torch.autograd.grad((total * weights).sum(), inputs)
+    except Exception as exc:
+        assert _died(exc), f"{type(exc).__name__}: {exc}\n{notes(exc)}"
+    else:
+        _close(got, torch.autograd.grad((ref * weights).sum(), inputs))
+    _works(ex)
+    assert victim not in _pids(ex)
+
+
+def test_workers_outlive_the_thread_that_started_them(ex):
+    # A map called from a thread (a data loader's, a server's) starts the workers there; they
+    # must not die when that thread exits (Linux's parent-death signal follows the thread).
+    own = gradmap.ProcessExecutor(workers=1, threads_per_worker=2, timeout=120)  # its own pool
+    try:
+        caller = threading.Thread(
+            target=gradmap.tmap, args=(lambda x: x * 2, torch.ones(2, 3)), kwargs={"executor": own}
+        )
+        caller.start()
+        caller.join(60)
+        pids = own.worker_pids()
+        _SEEN_PIDS.update(pids)
+        time.sleep(0.5)
+        dead = [pid for pid in pids if _state(pid) in (None, "Z", "X")]
+        assert not dead, f"workers {dead} died when the thread that started them exited"
+        gradmap.tmap(lambda x: x * 2, torch.ones(2, 3), executor=own)
+        assert own.worker_pids() == pids  # the same processes serve the next map
+    finally:
+        own.shutdown()
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``"Z"``: a zombie), or ``None`` if there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+# -- names, arguments, nesting ----------------------------------------------------------------
+
+
+@deadline(90, main_thread=True)
+def test_executor_name_processes(ex):
+    s = _Setup()
+    ref, ref_y = s.grads(_loop)
+    got, got_y = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="processes", chunksize=2))
+    _close(got_y, ref_y)
+    _close(got, ref)
+    total = gradmap.tsum(s.f(), s.xs, executor="processes", chunksize=2)
+    torch.testing.assert_close(total, _loop_sum(s.f(), s.xs))
+    pids = gradmap.tmap(lambda i: os.getpid(), range(4), executor="processes", chunksize=1)
+    assert os.getpid() not in pids
+    _SEEN_PIDS.update(pids)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="workers"):
+        gradmap.ProcessExecutor(workers=0)
+    with pytest.raises(ValueError, match="workers"):
+        gradmap.ProcessExecutor(workers=-1)
+    with pytest.raises(ValueError, match="threads_per_worker"):
+        gradmap.ProcessExecutor(threads_per_worker=0)
+    assert "ProcessExecutor(workers=3" in repr(gradmap.ProcessExecutor(workers=3))
+
+
+@pytest.mark.parametrize("inner", [None, "processes"])
+def test_nested_tmap_runs_on_the_worker(ex, inner):
+    xs = _ragged(n=6)
+    w = torch.randn(4, requires_grad=True)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, int, list[int]]:
+        rows = gradmap.tmap(lambda r: torch.sin(r * w).sum(), x, executor=inner)
+        where = gradmap.tmap(lambda r: os.getpid(), x, executor=inner)
+        total = gradmap.tsum(lambda r: (r * w).cos().sum(), x, executor=inner)
+        return torch.stack(rows).pow(2).sum() + total, os.getpid(), where
+
+    got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
+    ref = _loop(f, xs)
+    pids = set(_pids(ex))
+    for (y, pid, where), (r, _, _) in zip(got, ref):
+        assert pid in pids
+        assert set(where) == {pid}  # the inner map ran in the worker itself
+        torch.testing.assert_close(y, r)
+    loss = lambda out: sum((i + 1) * o[0] for i, o in enumerate(out))  # noqa: E731
+    _close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
+
+
+# -- shutdown: last, no process left behind ---------------------------------------------------
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    stop = time.monotonic() + timeout
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > stop:
+            return False
+        time.sleep(0.05)
+
+
+def test_shutdown_leaves_no_process_and_restarts(ex):
+    pids = _pids(ex)
+    ex.shutdown()
+    left = [pid for pid in sorted(_SEEN_PIDS) if not _gone(pid)]
+    assert not left, f"worker processes alive (or unreaped) after shutdown: {left}"
+    # The next map starts new workers.
+    _works(ex)
+    fresh = _pids(ex)
+    assert not set(fresh) & set(pids)
+    ex.shutdown()
+    assert all(_gone(pid) for pid in fresh)
