@@ -32,6 +32,7 @@ import os
 import pickle
 import queue
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from .._errors import add_note
+from .._remote._pickling import Payload
 from .._remote._schedule import Transport, WorkerLost
 from ._shared import Sharer
 from ._worker import FDS_PER_MESSAGE, PAYLOADS_KEPT
@@ -88,18 +90,24 @@ class _Worker:
         )
         theirs.close()
         fd_theirs.close()
-        self.conn = Connection(ours.detach())
+        self.lock = threading.RLock()  # a release from a finalizer may run inside a call
+        self.sock = ours  # written to directly (``send``); read through ``conn``
+        self.conn = Connection(os.dup(ours.fileno()))
         self.fds = fd_ours
         self.pending: deque[_Call] = deque()
-        # Calls are written by a thread of the worker's own (see ``_worker.py``): the caller's
-        # thread never blocks on a write while the worker blocks on writing an answer.
-        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        # NOTE [writing calls]: a call is written by the caller's thread at once when the
+        # socket takes it whole (a non-blocking send: the common case, no thread switch);
+        # what does not fit goes to a thread of the worker's own, which blocks on it, and so do
+        # the calls after it until it is through. So the caller's thread never blocks on a
+        # write while the worker blocks on writing an answer (a ``tsum`` chunk's items one way,
+        # its gradients the other) -- neither would read, and both would wait for ever.
+        self.outbox: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self.queued = 0  # messages handed to the writer thread and not yet written
         self.writer = threading.Thread(target=self._write, name="gradmap-writer", daemon=True)
         self.writer.start()
         self.alive = True
         self.payloads: OrderedDict[bytes, None] = OrderedDict()  # mirrors the worker's cache
         self.storages: set[tuple[int, int]] = set()
-        self.lock = threading.RLock()  # a release from a finalizer may run inside a call
         self.send(("init", {"path": list(sys.path), "cwd": os.getcwd(), "threads": threads}))
 
     @property
@@ -107,21 +115,44 @@ class _Worker:
         return self.process.pid
 
     def send(self, message: Any) -> None:
-        if message[0] == "init":
-            self.outbox.put(pickle.dumps(message[1], protocol=5))
+        data = pickle.dumps(message[1] if message[0] == "init" else message, protocol=5)
+        # The framing of ``multiprocessing.connection.Connection``, which the worker reads with.
+        if len(data) > 0x7FFFFFFF:
+            header = struct.pack("!i", -1) + struct.pack("!Q", len(data))
         else:
-            self.outbox.put(pickle.dumps(message, protocol=5))
+            header = struct.pack("!i", len(data))
+        view = memoryview(header + data) if len(data) < 4096 else None
+        parts = [view] if view is not None else [memoryview(header), memoryview(data)]
+        with self.lock:
+            if not self.queued:
+                try:
+                    while parts:
+                        sent = self.sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
+                        while parts and sent >= len(parts[0]):
+                            sent -= len(parts[0])
+                            parts.pop(0)
+                        if parts and sent:
+                            parts[0] = parts[0][sent:]
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return  # the worker died: the reading side notices
+            for part in parts:
+                self.queued += 1
+                self.outbox.put(part)
 
     def _write(self) -> None:
-        conn = self.conn
         while True:
             data = self.outbox.get()
             if data is None:
                 return
             try:
-                conn.send_bytes(data)
+                self.sock.sendall(data)
             except (OSError, ValueError):
                 return  # the worker died: the reading side notices
+            finally:
+                with self.lock:
+                    self.queued -= 1
 
     def died(self) -> None:
         """The worker is gone: its calls in flight are lost."""
@@ -132,6 +163,8 @@ class _Worker:
             call.lost = call.done = True
         with contextlib.suppress(Exception):
             self.conn.close()
+        with contextlib.suppress(Exception):
+            self.sock.close()
         with contextlib.suppress(Exception):
             self.fds.close()
         with contextlib.suppress(Exception):
@@ -172,6 +205,8 @@ class _Worker:
         self.writer.join(timeout)
         with contextlib.suppress(Exception):
             self.conn.close()
+        with contextlib.suppress(Exception):
+            self.sock.close()
         with contextlib.suppress(Exception):
             self.fds.close()
         try:
@@ -263,7 +298,6 @@ class ProcessTransport(Transport):
         self.pool = pool
         self._workers = pool.ensure(count)
         pool.forget_dead()
-        pool.sharer.take_used()  # what f's payload names is collected from here on
 
     def _worker(self, index: int) -> _Worker:
         w = self._workers[index]
@@ -272,8 +306,7 @@ class ProcessTransport(Transport):
         return w
 
     def box(self, payload: bytes) -> Any:
-        keys = self.pool.sharer.take_used()
-        return _Box(payload, keys)
+        return _Box(payload, getattr(payload, "keys", {}))
 
     def call(self, worker: int, method: str, *args: Any) -> Any:
         w = self._worker(worker)
@@ -293,10 +326,29 @@ class ProcessTransport(Transport):
 
     def _prepare(self, w: _Worker, arg: Any) -> Any:
         """A box as the worker gets it: the storages it lacks first, then the payload only if
-        the worker does not keep it."""
+        the worker does not keep it. Items (``Payload``, in a list of chunks) may name shared
+        storages too."""
+        if isinstance(arg, list):
+            for chunk in arg:
+                if isinstance(chunk, tuple):
+                    for part in chunk:
+                        if isinstance(part, Payload) and part.keys:
+                            self._share(w, part.keys)
+            return arg
         if not isinstance(arg, _Box):
             return arg
-        missing = [key for key in arg.keys if key not in w.storages]
+        self._share(w, arg.keys)
+        if arg.digest in w.payloads:
+            w.payloads.move_to_end(arg.digest)
+            return (arg.digest, None)
+        w.payloads[arg.digest] = None
+        while len(w.payloads) > PAYLOADS_KEPT:
+            w.payloads.popitem(last=False)
+        return (arg.digest, arg.payload)
+
+    def _share(self, w: _Worker, keys: Any) -> None:
+        """Send the worker the descriptors of the storages it lacks."""
+        missing = [key for key in keys if key not in w.storages]
         if missing:
             sharer = self.pool.sharer
             entries = []
@@ -311,13 +363,6 @@ class ProcessTransport(Transport):
             w.pending.append(_Call(w))  # its answer (None) is read and dropped
             w.pending[-1].cancelled = True
             w.storages.update(missing)
-        if arg.digest in w.payloads:
-            w.payloads.move_to_end(arg.digest)
-            return (arg.digest, None)
-        w.payloads[arg.digest] = None
-        while len(w.payloads) > PAYLOADS_KEPT:
-            w.payloads.popitem(last=False)
-        return (arg.digest, arg.payload)
 
     def wait(self, handles: list[Any], timeout: float) -> list[Any]:
         ready = [h for h in handles if h.done]

@@ -48,18 +48,21 @@ _SHAREABLE = (torch.Tensor, torch.nn.Parameter)
 
 
 class SharedRef:
-    """A tensor's place in a shared storage; unpickles to the tensor on a worker."""
+    """A tensor's place in a shared storage; unpickles to the tensor on a worker. ``storage``
+    (not pickled) keeps the storage alive while the payload naming it is."""
 
-    __slots__ = ("dtype", "key", "offset", "shape", "stride")
+    __slots__ = ("dtype", "key", "offset", "shape", "storage", "stride")
 
     def __init__(
         self,
+        storage: Any,
         key: tuple[int, int],
         dtype: torch.dtype,
         shape: tuple[int, ...],
         stride: tuple[int, ...],
         offset: int,
     ) -> None:
+        self.storage = storage
         self.key, self.dtype, self.shape, self.stride, self.offset = (
             key,
             dtype,
@@ -79,7 +82,6 @@ class Sharer:
         # Plain dict and list operations only (atomic under the GIL): ``_died`` runs from a
         # finalizer, at any allocation of any thread, and must take no lock.
         self._fds: dict[tuple[int, int], tuple[int, int, Any]] = {}
-        self.used: dict[tuple[int, int], Any] = {}  # keys met since ``take_used``: storages
         self.dead: list[tuple[int, int]] = []  # keys whose storages died, to forget
 
     def __call__(self, t: Tensor) -> SharedRef | None:
@@ -103,13 +105,9 @@ class Sharer:
         key = (stat.st_dev, stat.st_ino)
         if key not in self._fds:
             self._fds[key] = (fd, size, weakref.finalize(storage, self._died, key))
-        self.used[key] = storage
-        return SharedRef(key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
-
-    def take_used(self) -> dict[tuple[int, int], Any]:
-        """The storages met since the last call, by key (a map's payload keeps them alive)."""
-        used, self.used = self.used, {}
-        return used
+        return SharedRef(
+            storage, key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
+        )
 
     def fd(self, key: tuple[int, int]) -> tuple[int, int]:
         """The file descriptor and size of a live shared storage (the storage holds the fd)."""

@@ -56,7 +56,8 @@ __all__ = [
 ]
 
 #: How a transport sends a leaf tensor by reference: ``share(t)`` returns a picklable stand-in
-#: for ``t``'s value (it unpickles to a tensor on the worker), or ``None`` to send its bytes.
+#: for ``t``'s value (it unpickles to a tensor on the worker; its ``key`` and ``storage`` name
+#: what the worker must have first), or ``None`` to send its bytes.
 Share = Callable[[Tensor], Any]
 
 
@@ -144,24 +145,45 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle, with tensors that require grad replaced (by ``table`` ids, or detached)."""
 
     def __init__(
-        self, file: io.BytesIO, table: TensorTable | None, share: Share | None = None
+        self,
+        file: io.BytesIO,
+        table: TensorTable | None,
+        share: Share | None = None,
+        share_shared: Share | None = None,
     ) -> None:
         super().__init__(file, protocol=5)
         self._table = table
         self._share = share
+        self._share_shared = share_shared
+        self.shared: dict[Any, Any] = {}  # storages named by reference: key -> storage
+
+    def _named(self, value: Any) -> None:
+        key = getattr(value, "key", None)
+        if key is not None:
+            self.shared[key] = value.storage
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, Tensor) and obj.requires_grad:
             if self._table is not None:
-                return self._table.ref(obj, self._share)
+                ref = self._table.ref(obj, self._share)
+                self._named(ref[2])
+                return ref
             return (_DETACHED_TAG, obj.detach())
         return None
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is Tensor:
-            if self._share is not None:
-                shared = self._share(obj)
+            share = self._share
+            if (
+                share is None
+                and self._share_shared is not None
+                and obj.untyped_storage().is_shared()
+            ):
+                share = self._share_shared  # an item already in shared memory
+            if share is not None:
+                shared = share(obj)
                 if shared is not None:
+                    self._named(shared)
                     return _identity, (shared,)
             return _reduce_tensor(obj)
         return super().reducer_override(obj)
@@ -184,12 +206,28 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def dumps(obj: Any, table: TensorTable, share: bool = False) -> bytes:
-    """Pickle ``obj`` on the driver, numbering its tensors that require grad in ``table``; with
-    ``share``, its leaf tensors travel by ``table.share`` where that gives a reference."""
+class Payload(bytes):
+    """Pickled bytes, and the shared storages they name (by key; kept alive with the payload):
+    a transport that passes storages by reference sends those first. Pickles as plain bytes."""
+
+    keys: dict[Any, Any] = {}  # noqa: RUF012 - replaced per instance
+
+    def __reduce__(self) -> Any:
+        return bytes, (bytes(self),)
+
+
+def dumps(obj: Any, table: TensorTable, share: bool = False) -> Payload:
+    """Pickle ``obj`` on the driver, numbering its tensors that require grad in ``table``. With
+    ``share`` (``f``'s payload), its leaf tensors travel by ``table.share`` where that gives a
+    reference; without (items), only tensors already in shared memory do (``share_memory_()`` on
+    a dataset that is mapped over many times saves copying it for every call)."""
     buffer = io.BytesIO()
-    _Pickler(buffer, table, table.share if share else None).dump(obj)
-    return buffer.getvalue()
+    sharer = table.share
+    pickler = _Pickler(buffer, table, sharer if share else None, None if share else sharer)
+    pickler.dump(obj)
+    payload = Payload(buffer.getvalue())
+    payload.keys = pickler.shared
+    return payload
 
 
 def loads(data: bytes, leaves: LeafTable) -> Any:

@@ -103,6 +103,14 @@ class Workload(ABC, Generic[ItemT]):
     def params(self) -> list[Tensor]:
         """Return the tensors the total loss is differentiated with respect to."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The workload as ``f`` (a bound method) is pickled for worker processes: its model,
+        without its items, which ``f`` does not use and which travel as the map's items. (The
+        same advice holds for users: keep the data out of what ``f`` refers to.)"""
+        state = dict(self.__dict__)
+        state.pop("items", None)
+        return state
+
     def batched_loss(self, items: Sequence[ItemT]) -> Tensor:
         """Compute the total loss over ``items`` as one batched computation.
 
