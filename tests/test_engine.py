@@ -10,7 +10,7 @@ import pytest
 
 from gradmap._engine import run_chunks, run_pipeline
 from gradmap._executors import FuturesExecutor, SerialExecutor, ThreadExecutor
-from gradmap._placement import placement_for
+from gradmap._placement import REMEASURE, placement_for
 from gradmap._plan import TARGET_CHUNKS, plan_chunks
 
 
@@ -166,50 +166,53 @@ def test_pipeline_stops_producing_after_a_failure():
 # -- forward placement ---------------------------------------------------------------------------
 
 
-def test_placement_first_call_in_one_thread_then_measured():
+def _calls(f, count):
+    return [placement_for(f, forced_many=False, forced_one=False) for _ in range(count)]
+
+
+def test_placement_measures_one_thread_then_the_pool_then_one_thread():
     def f(x):  # a new code object: no history yet
         return x
 
     first = placement_for(f, forced_many=False, forced_one=False)
     assert not first.many
+    first.record(2e-3)  # seconds per element in one thread
     second = placement_for(f, forced_many=False, forced_one=False)
     assert second.many  # measured on the pool
-
-    # A pass whose threads were busy for less than PARALLEL_THRESHOLD x its wall time: one thread.
-    second.timed(lambda: time.sleep(0.02))
+    second.record(3e-3)  # slower on the pool (a GIL-bound forward)
+    third = placement_for(f, forced_many=False, forced_one=False)
+    assert not third.many  # one thread again, measured
+    third.record(1.9e-3)
     assert not placement_for(f, forced_many=False, forced_one=False).many
 
 
-def test_placement_keeps_the_pool_for_a_parallel_forward():
+def test_placement_keeps_the_pool_for_a_faster_forward_and_remeasures():
     def g(x):
         return x
 
-    placement_for(g, forced_many=False, forced_one=False)
-    measured = placement_for(g, forced_many=False, forced_one=False)
-    measured.record(1.8)  # CPU seconds of the pass's threads over its wall seconds
-    assert placement_for(g, forced_many=False, forced_one=False).many
-    remeasured = placement_for(g, forced_many=False, forced_one=False)
-    remeasured.record(1.0)  # a GIL-bound forward: only one thread ran at a time
+    one, many, again = _calls(g, 3)
+    one.record(2e-3)
+    many.record(1e-3)  # twice as fast on the pool
+    again.record(2.1e-3)
+    assert all(p.many for p in _calls(g, REMEASURE - 4))  # calls 4 .. REMEASURE - 1
+    remeasured = placement_for(g, forced_many=False, forced_one=False)  # call REMEASURE
+    assert remeasured.many
+    remeasured.record(1.95e-3)  # no longer faster than 0.9 x one thread
+    refresh = placement_for(g, forced_many=False, forced_one=False)
+    assert not refresh.many  # one thread measured afresh
+    refresh.record(2e-3)
     assert not placement_for(g, forced_many=False, forced_one=False).many
 
 
-def test_placement_measures_thread_cpu_time():
+def test_placement_times_the_pass_per_element():
     def k(x):
         return x
 
-    placement_for(k, forced_many=False, forced_one=False)
     measured = placement_for(k, forced_many=False, forced_one=False)
     seen: list[float] = []
     measured.record = seen.append  # type: ignore[method-assign]
-
-    def busy() -> None:
-        with measured.thread():
-            end = time.thread_time() + 0.02
-            while time.thread_time() < end:
-                pass
-
-    measured.timed(busy)
-    assert len(seen) == 1 and 0.5 < seen[0] <= 1.05  # one busy thread: about 1
+    assert measured.timed(lambda: time.sleep(0.02) or "out", 4) == "out"
+    assert len(seen) == 1 and 0.004 < seen[0] < 0.05  # about 20 ms over 4 elements
 
 
 def test_placement_forced_and_random():

@@ -43,13 +43,16 @@ def tmap(
         *iterables: lists, tuples, ``range``, generators (consumed once), or tensors (iterated over
             their first dimension; the gradient flows back to the whole tensor). Items may be any
             pytree (tuple, list, dict, namedtuple) of tensors and other objects.
-        executor: ``None`` or ``"threads"`` for gradmap's shared thread pool; ``"serial"`` for the
-            reference, in the caller's thread (its backward runs elements in reverse order); or
-            any ``concurrent.futures.Executor`` (used as given, never shut down by gradmap).
-        workers: threads that run chunks at once, each with one PyTorch intra-op thread. Default:
-            the cores available to the process (the shared pool, whose threads do the work while
-            the caller waits), or a user executor's ``max_workers`` plus the caller (which then
-            works on chunks too).
+        executor: ``None`` or ``"threads"`` for gradmap's shared thread pool; ``"processes"``
+            (or a ``gradmap.ProcessExecutor``) for worker processes on this machine, past the
+            GIL (``f`` and the items must pickle); ``"ray"`` (or a ``gradmap.RayExecutor``) for
+            Ray actors; ``"serial"`` for the reference, in the caller's thread (its backward
+            runs elements in reverse order); or any ``concurrent.futures.Executor`` (used as
+            given, never shut down by gradmap). ``gradmap.compare`` times them on your ``f``.
+        workers: threads (or worker processes) that run chunks at once, each with one PyTorch
+            intra-op thread. Default: the cores available to the process (the shared pool, whose
+            threads do the work while the caller waits), or a user executor's ``max_workers``
+            plus the caller (which then works on chunks too).
         chunksize: elements per chunk. Default: about 64 chunks. Chunks depend on the number of
             elements only, so results are bitwise the same for any ``workers``.
         strict: raise ``ValueError`` if the iterables have different lengths.

@@ -12,20 +12,25 @@ NOTE [forward placement]:
     So the forward of each map runs either in *one* thread (one of gradmap's pool threads, chunk
     after chunk, while the caller waits: it computes with one intra-op thread as every pool thread
     does, so results are bitwise the same whichever placement ran) or on *many* (the pool), and
-    the choice is measured per ``f``:
-    - a new ``f`` runs its first forward in one thread, whatever the executor: this learns
-      whether ``f`` draws random numbers, and one that does keeps one thread for its forwards
-      (NOTE [random numbers per element]);
-    - its second forward runs on the pool, timing each thread's CPU time: the *parallelism* of
-      the pass is the CPU seconds of all its threads over its wall seconds. A GIL-bound forward
-      stays near 1 (only one thread runs at a time); a GIL-free one approaches the thread count.
-      At ``PARALLEL_THRESHOLD`` or more, ``f`` keeps the pool; below, one thread;
-    - the measurement is repeated every ``REMEASURE`` calls, in case the elements changed.
+    the choice is measured per ``f``, as wall seconds per element of the forward pass (for
+    ``tsum``, of the pass with the pullbacks that overlap it):
+    - a new ``f`` runs its first and third forwards in one thread, whatever the executor (the
+      first also learns whether ``f`` draws random numbers; one that does keeps one thread for
+      its forwards, NOTE [random numbers per element]), and its second on the pool;
+    - from then on it runs on the pool if the pool's time per element was below
+      ``FASTER`` times the better one-thread time, else in one thread;
+    - every ``REMEASURE`` calls it is measured again, pool then one thread, in case the elements
+      changed.
+    An earlier rule kept the pool when the pass's threads were busy for 1.35x its wall time or
+    more; the neural ODE forward (`gradmap bench`) reached that while running 2.6x *slower* than
+    in one thread (busy is not fast: two threads trading the GIL burn CPU on the hand-offs), so
+    the rule compares the times themselves.
     On a free-threaded CPython (``sys._is_gil_enabled()`` false) forwards always use the pool.
     A user who passes ``workers`` or an executor forces the pool (from the second call, for an
     ``f`` that draws no random numbers); ``executor="serial"`` or ``workers=1`` forces one
     thread. ``f`` is told apart by its code object (a bound method or ``functools.partial`` by
-    its function's), so a lambda made anew each step keeps its history.
+    its function's), so a lambda made anew each step keeps its history; ``tmap`` and ``tsum``,
+    with a graph or without, and ``remat`` keep separate histories (their passes differ).
 """
 
 from __future__ import annotations
@@ -34,13 +39,12 @@ import functools
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Placement", "placement_for"]
 
-PARALLEL_THRESHOLD = 1.35
+FASTER = 0.9
 REMEASURE = 50
 
 _lock = threading.Lock()
@@ -65,12 +69,19 @@ def _key(f: Any) -> Any:
 
 
 class _History:
-    __slots__ = ("calls", "parallel", "random")
+    __slots__ = ("calls", "many", "one", "random")
 
     def __init__(self) -> None:
         self.calls = 0
-        self.parallel: bool | None = None
+        self.one: float | None = None  # best seconds per element in one thread
+        self.many: float | None = None  # latest seconds per element on the pool
         self.random = False
+
+    @property
+    def parallel(self) -> bool | None:
+        if self.one is None or self.many is None:
+            return None
+        return self.many < FASTER * self.one
 
 
 class Placement:
@@ -80,49 +91,39 @@ class Placement:
         self.many = many
         self._history = history
         self._measure = measure
-        self._cpu = 0.0
-        self._cpu_lock = threading.Lock()
 
-    @contextmanager
-    def thread(self) -> Iterator[None]:
-        """Entered by each thread of a measured pass, around its share of the work."""
-        if not self._measure:
-            yield
-            return
-        start = time.thread_time()
-        try:
-            yield
-        finally:
-            spent = time.thread_time() - start
-            with self._cpu_lock:
-                self._cpu += spent
-
-    def timed(self, run: Callable[[], Any]) -> Any:
-        """Run a forward pass; record its parallelism if it was measured."""
+    def timed(self, run: Callable[[], Any], n: int) -> Any:
+        """Run a forward pass of ``n`` elements; record its time if it was measured."""
         if not self._measure:
             return run()
         start = time.perf_counter()
         out = run()
-        wall = time.perf_counter() - start
-        if wall > 0:
-            self.record(self._cpu / wall)
+        if n:
+            self.record((time.perf_counter() - start) / n)
         return out
 
-    def record(self, parallelism: float) -> None:
-        """Keep the pool for later calls if a measured pass reached ``PARALLEL_THRESHOLD``."""
-        if self._history is not None:
-            self._history.parallel = parallelism >= PARALLEL_THRESHOLD
+    def record(self, per_element: float) -> None:
+        """Record a measured pass's seconds per element."""
+        history = self._history
+        if history is None:
+            return
+        if self.many:
+            history.many = per_element
+        else:
+            history.one = per_element if history.one is None else min(history.one, per_element)
 
     def learned_random(self, drew: bool) -> None:
         if drew and self._history is not None:
             self._history.random = True
 
 
-def placement_for(f: Any, *, forced_many: bool, forced_one: bool) -> Placement:
-    """Choose where the forward of a map of ``f`` runs (NOTE [forward placement])."""
+def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = None) -> Placement:
+    """Choose where the forward of a map of ``f`` runs (NOTE [forward placement]). ``kind`` tells
+    apart passes of one ``f`` that are timed differently (``tmap`` or ``tsum``, with a graph or
+    without, ``remat``): each has a history of its own."""
     if forced_one:
         return Placement(False, None, False)
-    key = _key(f)
+    key = (_key(f), kind)
     with _lock:
         history = _history.get(key)
         if history is None:
@@ -131,10 +132,16 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool) -> Placement:
             history = _history[key] = _History()
         history.calls += 1
         calls = history.calls
-    if history.random or calls == 1:
+    if history.random:
         return Placement(False, history, False)
+    if calls == 1:
+        return Placement(False, history, True)
     if forced_many or not _gil_enabled():
         return Placement(True, history, False)
-    if history.parallel is None or calls % REMEASURE == 0:
+    if calls == 2 or calls % REMEASURE == 0:
         return Placement(True, history, True)
-    return Placement(history.parallel, history, False)
+    if calls == 3 or calls % REMEASURE == 1:
+        if calls > 3:
+            history.one = None  # measured afresh
+        return Placement(False, history, True)
+    return Placement(bool(history.parallel), history, False)

@@ -92,7 +92,10 @@ class MapCall:
         self.state = ThreadState()
         self.random = MapRandom()
         self.placement: Placement = placement_for(
-            f, forced_many=placement == "many", forced_one=placement == "one"
+            f,
+            forced_many=placement == "many",
+            forced_one=placement == "one",
+            kind=(api, remat, torch.is_grad_enabled()),
         )
         self.known: Known | None = None
         self.owner = object()  # what this map's blocking hooks answer to
@@ -147,19 +150,14 @@ class MapCall:
                 record.drop_graph()  # its boundary is read: free it before the next chunk
             return record
 
-        if placement.many:
-
-            @contextmanager
-            def measured(is_caller: bool) -> Iterator[None]:
-                with self.state.enter(is_caller), placement.thread():
-                    yield
-
-            records = placement.timed(
-                lambda: self.run_pass("forward", forward_chunk, context=measured)
-            )
-        else:
+        def one_thread() -> list[ChunkRecord]:
             with self.random.seeding():
-                records = self.run_pass("forward", forward_chunk, executor=self.one_thread())
+                return self.run_pass("forward", forward_chunk, executor=self.one_thread())
+
+        if placement.many:
+            records = placement.timed(lambda: self.run_pass("forward", forward_chunk), self.n)
+        else:
+            records = placement.timed(one_thread, self.n)
         placement.learned_random(self.random.drew)
         return records
 
@@ -475,18 +473,7 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
         record.drop_graph()
         return record, grads
 
-    if placement.many:
-
-        def both(k: int, run: ChunkRun[Any]) -> Any:
-            return early(k, forward(k, lambda: run.stopped(k), None))
-
-        @contextmanager
-        def measured(is_caller: bool) -> Iterator[None]:
-            with call.state.enter(is_caller), placement.thread():
-                yield
-
-        out = placement.timed(lambda: call.run_pass("forward", both, context=measured))
-    else:
+    def pipeline() -> Any:
         bar = open_progress(call.progress, "forward", plan.n)
         backward_state = ThreadState(grad_enabled=False)
 
@@ -498,7 +485,7 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
 
         try:
             with call.random.seeding():
-                out = run_pipeline(
+                return run_pipeline(
                     call.executor,
                     plan.count,
                     produce,
@@ -509,6 +496,15 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
         finally:
             if bar is not None:
                 bar.close()
+
+    if placement.many:
+
+        def both(k: int, run: ChunkRun[Any]) -> Any:
+            return early(k, forward(k, lambda: run.stopped(k), None))
+
+        out = placement.timed(lambda: call.run_pass("forward", both), call.n)
+    else:
+        out = placement.timed(pipeline, call.n)
     placement.learned_random(call.random.drew)
     return out  # type: ignore[return-value]
 

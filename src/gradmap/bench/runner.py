@@ -305,6 +305,9 @@ def run_workload(
     applicable = [v for v in variants if v.applies_to(workload)]
     results = {v.name: VariantResult(v.name, workers=v.workers) for v in applicable}
     reference = measure(workload, _REFERENCE)[2]
+    for variant in applicable:
+        for _ in range(variant.settle):
+            measure(workload, variant)
     for rep in range(warmup + reps):
         shift = rep % len(applicable) if applicable else 0
         for variant in applicable[shift:] + applicable[:shift]:

@@ -62,6 +62,9 @@ class Variant:
             the default.
         needs_batched: Whether the variant needs ``Workload.batched_loss``.
         workers: The ``workers`` argument given to ``tmap``, for the workers sweep.
+        settle: Untimed calls before the warm-up: a map on threads measures its forward's
+            placement on its first three calls (NOTE [forward placement]), and the bench times
+            the steady state.
     """
 
     name: str
@@ -69,6 +72,7 @@ class Variant:
     intra_op_threads: int | None = None
     needs_batched: bool = False
     workers: int | None = None
+    settle: int = 0
 
     def applies_to(self, workload: Workload[Any]) -> bool:
         """Return whether the variant can run ``workload``."""
@@ -171,9 +175,11 @@ def build_variants(
             variants.append(Variant(name, loop_loss))
         elif name == "tmap":
             assert tmap is not None
-            variants.append(Variant(name, _tmap_loss(tmap, executor, workers), workers=workers))
+            variants.append(
+                Variant(name, _tmap_loss(tmap, executor, workers), workers=workers, settle=2)
+            )
         elif name == "tsum":
-            variants.append(Variant(name, _tsum_loss(executor, workers), workers=workers))
+            variants.append(Variant(name, _tsum_loss(executor, workers), workers=workers, settle=2))
         elif name == "tmap-proc":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, "processes", workers), workers=workers))
@@ -184,12 +190,16 @@ def build_variants(
             variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))
         elif name == "remat":
             assert tmap is not None
-            variants.append(Variant(name, _tmap_loss(tmap, executor, workers, remat=True)))
+            variants.append(
+                Variant(name, _tmap_loss(tmap, executor, workers, remat=True), settle=2)
+            )
         elif name == "vmap":
             variants.append(Variant(name, batched_loss, needs_batched=True))
     for count in sweep:
         assert tmap is not None
-        variants.append(Variant(f"tmap:{count}", _tmap_loss(tmap, None, count), workers=count))
+        variants.append(
+            Variant(f"tmap:{count}", _tmap_loss(tmap, None, count), workers=count, settle=2)
+        )
     for count in sweep:
         assert tmap is not None
         variants.append(
