@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -221,8 +222,21 @@ def dumps(obj: Any, table: TensorTable, share: bool = False) -> Payload:
     ``share`` (``f``'s payload), its leaf tensors travel by ``table.share`` where that gives a
     reference; without (items), only tensors already in shared memory do (``share_memory_()`` on
     a dataset that is mapped over many times saves copying it for every call)."""
-    buffer = io.BytesIO()
     sharer = table.share
+    if not share:
+        # Items: the standard pickler first (several times faster on many small objects than
+        # cloudpickle, whose hooks run in Python for each), cloudpickle for what it refuses.
+        buffer = io.BytesIO()
+        plain = _ItemsPickler(buffer, table, sharer)
+        try:
+            plain.dump(obj)
+        except Exception:
+            pass
+        else:
+            payload = Payload(buffer.getvalue())
+            payload.keys = plain.shared
+            return payload
+    buffer = io.BytesIO()
     pickler = _Pickler(buffer, table, sharer if share else None, None if share else sharer)
     pickler.dump(obj)
     payload = Payload(buffer.getvalue())
@@ -233,7 +247,53 @@ def dumps(obj: Any, table: TensorTable, share: bool = False) -> Payload:
 def loads(data: bytes, leaves: LeafTable) -> Any:
     """Unpickle a driver payload on a worker; ``leaves`` is the call's, shared by all its
     payloads."""
-    return _Unpickler(io.BytesIO(data), leaves).load()
+    previous = getattr(_loading, "leaves", None)
+    _loading.leaves = leaves
+    try:
+        return _Unpickler(io.BytesIO(data), leaves).load()
+    finally:
+        _loading.leaves = previous
+
+
+class _ItemsPickler(pickle.Pickler):
+    """The standard pickler with ``_Pickler``'s tensor rules, for items. It has no
+    ``persistent_id`` (which the pickler calls for every object, ints and strings included):
+    a tensor that requires grad is caught by ``reducer_override`` (called for objects of other
+    than the builtin types only) and loads as the call's leaf through ``_item_leaf``."""
+
+    def __init__(self, file: io.BytesIO, table: TensorTable, share_shared: Share | None) -> None:
+        super().__init__(file, protocol=5)
+        self._table = table
+        self._share_shared = share_shared
+        self.shared: dict[Any, Any] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                ref = self._table.ref(obj)
+                key = getattr(ref[2], "key", None)
+                if key is not None:
+                    self.shared[key] = ref[2].storage
+                return _item_leaf, ref[1:]
+            if type(obj) is not Tensor:
+                return NotImplemented
+            share = self._share_shared
+            if share is not None and obj.untyped_storage().is_shared():
+                shared = share(obj)
+                if shared is not None:
+                    self.shared[shared.key] = shared.storage
+                    return _identity, (shared,)
+            return _reduce_tensor(obj)
+        return NotImplemented
+
+
+_loading = threading.local()
+
+
+def _item_leaf(number: int, value: Any, is_parameter: bool) -> Tensor:
+    leaves: LeafTable | None = getattr(_loading, "leaves", None)
+    assert leaves is not None, "a payload with tensor ids loaded without a call"
+    return leaves.leaf(number, value, is_parameter)
 
 
 class _PlainPickler(pickle.Pickler):
