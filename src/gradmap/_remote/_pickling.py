@@ -304,14 +304,12 @@ class _PlainPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=5)
 
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, Tensor) and obj.requires_grad:
-            return (_DETACHED_TAG, obj.detach())
-        return None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is Tensor:
-            return _reduce_tensor(obj)
+    def reducer_override(self, obj: Any) -> Any:  # no persistent_id: see ``_ItemsPickler``
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                obj = obj.detach()
+            if type(obj) is Tensor:
+                return _reduce_tensor(obj)
         return NotImplemented
 
 
