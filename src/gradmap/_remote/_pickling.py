@@ -2,8 +2,9 @@
 travels as an identity.
 
 NOTE [tensors travel as identities]:
-    On the driver, ``f`` (once per call) and each chunk's items are pickled with cloudpickle by a
-    pickler whose ``persistent_id`` sees every tensor that requires grad reachable from them --
+    On the driver, ``f`` (once per call, with cloudpickle) and each chunk's items (with the
+    standard pickler, cloudpickle for what it refuses) are pickled by a pickler that sees every
+    tensor that requires grad reachable from them --
     module parameters, closure tensors, attributes, tensors inside items, non-leaf tensors
     computed before the call -- wherever it sits. Such a tensor is written as ``(pid, value)``:
     a number in the call's [`TensorTable`][] (which keeps the original) and its detached value.
@@ -29,7 +30,12 @@ NOTE [tensors travel as identities]:
     buffers, closure constants) travel as handles to shared memory instead of their bytes
     (NOTE [parameters in shared memory] in ``gradmap._process``), so the payload is the same
     bytes from call to call while ``f`` is unchanged, and an optimizer's in-place step is seen
-    by the workers without sending anything.
+    by the workers without sending anything; items already in shared memory travel the same way.
+
+    Only ``f``'s pickler has a ``persistent_id``: the pickler calls it for every object, ints and
+    strings included, which cost the caller more than the items' bytes on small bags. The items',
+    results' and gradients' picklers catch tensors in ``reducer_override`` instead, which the
+    pickler calls for objects of other than the builtin types only.
 """
 
 from __future__ import annotations
