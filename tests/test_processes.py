@@ -508,6 +508,30 @@ def test_changed_python_closure_is_seen(ex):
         _close([y.detach() for y in got], [y.detach() for y in _loop(f, xs)])
 
 
+def test_items_in_shared_memory_travel_by_reference(ex):
+    from gradmap._process._shared import Sharer
+    from gradmap._remote._pickling import TensorTable, dumps
+
+    w = torch.randn(4, requires_grad=True)
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    plain = dumps(xs[:2], TensorTable(Sharer()))
+    for x in xs:
+        x.share_memory_()
+    shared = dumps(xs[:2], TensorTable(Sharer()))
+    assert not plain.keys and len(shared.keys) == 2  # by reference: no bytes of the rows
+    assert len(shared) < len(plain) - 2 * 3 * 4 * 4 + 64
+    f = lambda x: (x @ w).tanh().sum()  # noqa: E731
+    ref = torch.autograd.grad(torch.stack(_loop(f, xs)).sum(), [w])
+    for _ in range(2):  # the second call: the workers hold the storages already
+        got = torch.autograd.grad(torch.stack(gradmap.tmap(f, xs, executor=ex)).sum(), [w])
+        _close(got, ref)
+    with torch.no_grad():
+        xs[0].mul_(2.0)  # an in-place change of a shared item reaches the next call
+    ref = torch.autograd.grad(torch.stack(_loop(f, xs)).sum(), [w])
+    got = torch.autograd.grad(gradmap.tsum(f, xs, executor=ex), [w])
+    _close(got, ref)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
 def test_fresh_closure_tensors_do_not_accumulate(ex):
     # A training loop: each step's f closes over that step's tensors (targets, masks). Once a

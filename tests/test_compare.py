@@ -1,0 +1,67 @@
+"""``gradmap.compare``: the loop, threads and processes timed on the user's own ``f``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradmap
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    bags = [torch.randn(n, 4) for n in (3, 1, 5, 2, 4, 6)]
+    return model, bags, (lambda bag: model(bag).mean())
+
+
+@pytest.mark.parametrize("tsum", [False, True])
+def test_compare_times_every_candidate_and_restores_grads(tsum):
+    model, bags, f = _setup()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)  # a gradient the comparison must leave as it was
+    report = gradmap.compare(f, bags, executors=("threads", "serial"), tsum=tsum, reps=2)
+    label = "tsum" if tsum else "tmap"
+    names = {row.name for row in report.rows}
+    assert {"loop", f"{label}(executor='threads')", f"{label}(executor='serial')"} <= names
+    assert report.rows[0].name.startswith("loop")  # the faster loop is the baseline
+    for row in report.rows:
+        assert row.error is None and row.forward > 0 and row.backward > 0
+        if not row.name.startswith("loop"):
+            assert row.grad_error is not None and row.grad_error < 1e-5
+    assert report.best in names
+    assert report.speedup(report.rows[0].name) == pytest.approx(1.0)
+    text = str(report)
+    assert "use:" in text and label in text
+    for p in model.parameters():
+        assert torch.equal(p.grad, torch.full_like(p, 7.0))
+
+
+def test_compare_reports_a_failing_candidate_and_wrong_gradients(monkeypatch):
+    _, bags, f = _setup()
+    report = gradmap.compare(f, bags, executors=("no-such-executor",), reps=1)
+    (failed,) = [row for row in report.rows if row.error is not None]
+    assert "no-such-executor" in failed.name and "ValueError" in failed.error
+    assert report.best.startswith("loop")
+    assert "failed" in str(report)
+
+    # A candidate whose gradients differ from the loop's is never recommended.
+    import gradmap._compare as compare_module
+
+    real = compare_module._difference
+    monkeypatch.setattr(compare_module, "_difference", lambda got, want, torch: 1.0)
+    report = gradmap.compare(f, bags, executors=("threads",), reps=1)
+    assert report.best.startswith("loop")
+    assert any("differ" in note for note in report.notes)
+    monkeypatch.setattr(compare_module, "_difference", real)
+
+
+def test_compare_bad_input():
+    _, bags, f = _setup()
+    with pytest.raises(ValueError, match="no elements"):
+        gradmap.compare(f, [])
+    with pytest.raises(ValueError, match="reps"):
+        gradmap.compare(f, bags, reps=0)
+    with pytest.raises(ValueError, match="no floating-point tensor that requires grad"):
+        gradmap.compare(lambda bag: bag.sum(), bags, executors=())
