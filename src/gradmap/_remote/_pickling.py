@@ -32,10 +32,11 @@ NOTE [tensors travel as identities]:
     bytes from call to call while ``f`` is unchanged, and an optimizer's in-place step is seen
     by the workers without sending anything; items already in shared memory travel the same way.
 
-    Only ``f``'s pickler has a ``persistent_id``: the pickler calls it for every object, ints and
-    strings included, which cost the caller more than the items' bytes on small bags. The items',
-    results' and gradients' picklers catch tensors in ``reducer_override`` instead, which the
-    pickler calls for objects of other than the builtin types only.
+    The picklers have no ``persistent_id``: the pickler calls it for every object, ints and
+    strings included, which cost the caller more than the items' bytes on small bags. They catch
+    tensors in ``reducer_override`` instead, which the pickler calls for objects of other than
+    the builtin types only, once per object; a tensor that requires grad loads through
+    ``_item_leaf`` as the call's leaf for its pid.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ Share = Callable[[Tensor], Any]
 
 
 _PID_TAG = "gradmap.grad"
-_DETACHED_TAG = "gradmap.detached"
 
 
 def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
@@ -105,7 +105,7 @@ class TensorTable:
         self.share = share  # for ``f``'s payload only (``dumps(..., share=True)``)
 
     def ref(self, t: Tensor, share: Share | None = None) -> tuple[str, int, Any, bool]:
-        """The persistent id of ``t``: the same tuple object every time, so that a payload that
+        """The reference to ``t``: the same tuple object every time, so that a payload that
         holds ``t`` twice carries its value once (pickle memoizes the tuple)."""
         ref = self._refs.get(id(t))
         if ref is None:
@@ -169,44 +169,31 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         if key is not None:
             self.shared[key] = value.storage
 
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, Tensor) and obj.requires_grad:
-            if self._table is not None:
-                ref = self._table.ref(obj, self._share)
-                self._named(ref[2])
-                return ref
-            return (_DETACHED_TAG, obj.detach())
-        return None
-
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is Tensor:
-            share = self._share
-            if (
-                share is None
-                and self._share_shared is not None
-                and obj.untyped_storage().is_shared()
-            ):
-                share = self._share_shared  # an item already in shared memory
-            if share is not None:
-                shared = share(obj)
-                if shared is not None:
-                    self._named(shared)
-                    return _identity, (shared,)
-            return _reduce_tensor(obj)
+        # No persistent_id (see the NOTE): a tensor that requires grad is caught here, once per
+        # object (the pickler memoizes it), and loads as the call's leaf (``_item_leaf``).
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                if self._table is not None:
+                    ref = self._table.ref(obj, self._share)
+                    self._named(ref[2])
+                    return _item_leaf, ref[1:]
+                obj = obj.detach()
+            if type(obj) is Tensor:
+                share = self._share
+                if (
+                    share is None
+                    and self._share_shared is not None
+                    and obj.untyped_storage().is_shared()
+                ):
+                    share = self._share_shared  # an item already in shared memory
+                if share is not None:
+                    shared = share(obj)
+                    if shared is not None:
+                        self._named(shared)
+                        return _identity, (shared,)
+                return _reduce_tensor(obj)
         return super().reducer_override(obj)
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, leaves: LeafTable | None) -> None:
-        super().__init__(file)
-        self._leaves = leaves
-
-    def persistent_load(self, pid: Any) -> Any:
-        if pid[0] == _DETACHED_TAG:
-            return pid[1]
-        _, number, value, is_parameter = pid
-        assert self._leaves is not None, "a payload with tensor ids loaded without a call"
-        return self._leaves.leaf(number, value, is_parameter)
 
 
 def _identity(value: Any) -> Any:
@@ -256,7 +243,7 @@ def loads(data: bytes, leaves: LeafTable) -> Any:
     previous = getattr(_loading, "leaves", None)
     _loading.leaves = leaves
     try:
-        return _Unpickler(io.BytesIO(data), leaves).load()
+        return pickle.loads(data)
     finally:
         _loading.leaves = previous
 
@@ -332,4 +319,4 @@ def dumps_results(obj: Any) -> bytes:
 
 def loads_results(data: bytes) -> Any:
     """Unpickle what [`dumps_results`][] made."""
-    return _Unpickler(io.BytesIO(data), None).load()
+    return pickle.loads(data)
