@@ -833,7 +833,10 @@ def test_property_gradients_equal_the_loop(
     for g, e in zip(_property_grads(ys, m), _property_grads(want, m), strict=True):
         assert (g is None) == (e is None), (g, e)
         if g is not None:
-            torch.testing.assert_close(g, e)
+            # The shared parameter's gradient sums up to 150 terms in another order than the
+            # loop's (chunk by chunk): float32 rounding reached 2.8e-6 relative in one CI-sized
+            # draw, above assert_close's 1.3e-6. A wrong gradient is off by far more.
+            torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-4)
 
 
 @deadline(120)
