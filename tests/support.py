@@ -1,4 +1,5 @@
-"""Helpers shared by the test modules: hard deadlines, thread accounting, executors, errors.
+"""Helpers shared by the test modules: hard deadlines, thread accounting, executors, errors,
+killing workers.
 
 Test modules import it as ``from support import ...``: ``tests/`` has no ``__init__.py``, so
 pytest (import mode ``prepend``) puts this folder on ``sys.path`` before it imports them.
@@ -10,12 +11,14 @@ import concurrent.futures
 import contextlib
 import faulthandler
 import functools
+import os
 import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,3 +204,75 @@ def executor_kwargs(name: str) -> Iterator[tuple[dict[str, Any], list[Any]]]:
             yield {"executor": pool}, [pool]
     else:
         raise ValueError(f"unknown executor name {name!r}")
+
+
+# -- killing workers (processes, Ray) -------------------------------------------------------------
+# Used inside f on the workers: the suites that do register this module with
+# cloudpickle.register_pickle_by_value (a Ray worker cannot import it).
+
+
+def mark(marker: str) -> bool:
+    """Create ``marker`` with this process's pid, once: True for the one caller that did."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def our_child(pid: int) -> bool:
+    """Whether ``pid`` is a child of this process (Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()
+
+
+class Killer:
+    """Kills the process whose pid appears in ``marker`` (a worker waiting to be killed): one of
+    ``pids`` or a child of this process, never anything else (``strangers`` lists those)."""
+
+    def __init__(self, marker: Path, pids: list[int]) -> None:
+        self.marker, self.pids = marker, pids
+        self.killed: list[int] = []
+        self.strangers: list[int] = []
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        stop = time.monotonic() + 120
+        while time.monotonic() < stop:
+            try:
+                text = self.marker.read_text().strip()
+            except FileNotFoundError:
+                text = ""
+            if text:
+                pid = int(text)
+                if pid not in self.pids and not our_child(pid):
+                    self.strangers.append(pid)
+                    return
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(pid)
+                return
+            time.sleep(0.005)
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity; the backward of the marked element waits to be killed (once)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, marker: str | None) -> torch.Tensor:
+        ctx.marker = marker
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.marker is not None and mark(ctx.marker):
+            time.sleep(60)
+        return g, None

@@ -22,7 +22,8 @@ from torch import nn
 
 import gradmap
 
-from support import Boom, deadline, notes
+import support
+from support import Boom, Killer, SlowBackward, deadline, mark, notes
 
 #: Every worker pid a test saw (killed ones included): none may outlive ``shutdown``.
 _SEEN_PIDS: set[int] = set()
@@ -32,11 +33,13 @@ _SEEN_PIDS: set[int] = set()
 def ex() -> Iterator[Any]:
     # Functions and classes of this module travel by value (workers cannot import it).
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(support)
     executor = gradmap.ProcessExecutor(workers=2, timeout=120)
     try:
         yield executor
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cloudpickle.unregister_pickle_by_value(support)
         executor.shutdown()
 
 
@@ -711,79 +714,14 @@ def test_unpicklable_item_names_the_element(ex):
 # -- dead workers -----------------------------------------------------------------------------
 
 
-def _mark(marker: str) -> bool:
-    """Create ``marker`` with this process's pid, once: True for the one caller that did."""
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    return True
-
-
-def _our_child(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()
-
-
-class _Killer:
-    """Kills the process whose pid appears in ``marker`` (a worker waiting to be killed)."""
-
-    def __init__(self, marker: Path, pids: list[int]) -> None:
-        self.marker, self.pids = marker, pids
-        self.killed: list[int] = []
-        self.strangers: list[int] = []
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        stop = time.monotonic() + 60
-        while time.monotonic() < stop:
-            try:
-                text = self.marker.read_text().strip()
-            except FileNotFoundError:
-                text = ""
-            if text:
-                pid = int(text)
-                if pid not in self.pids and not _our_child(pid):  # never kill anything else
-                    self.strangers.append(pid)
-                    return
-                os.kill(pid, signal.SIGKILL)
-                self.killed.append(pid)
-                return
-            time.sleep(0.005)
-
-    def join(self) -> None:
-        self._thread.join(timeout=5)
-
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity; the backward of the marked element waits to be killed (once)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, marker: str | None) -> torch.Tensor:
-        ctx.marker = marker
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.marker is not None and _mark(ctx.marker):
-            time.sleep(60)
-        return g, None
-
-
 def _lossy(s: _Setup, forward_marker: str | None, backward_marker: str | None) -> Any:
     model, w = s.model, s.w
     b = s.a * 2
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:
-        if i == 5 and forward_marker is not None and _mark(forward_marker):
+        if i == 5 and forward_marker is not None and mark(forward_marker):
             time.sleep(60)
-        h = _SlowBackward.apply(x * w + b, backward_marker if i == 5 else None)
+        h = SlowBackward.apply(x * w + b, backward_marker if i == 5 else None)
         return torch.sin(model(h)).sum() ** 2
 
     return f
@@ -804,7 +742,7 @@ def test_worker_killed_while_running(ex, tmp_path, phase):
     ref = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref_ys)), s.tensors())
     pids = _pids(ex)
     marker = tmp_path / "pid"
-    killer = _Killer(marker, pids)
+    killer = Killer(marker, pids)
     markers = (str(marker), None) if phase == "forward" else (None, str(marker))
     f = _lossy(s, *markers)
     try:

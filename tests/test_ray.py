@@ -9,10 +9,8 @@ import gc
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -31,6 +29,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:Runtime
 from gradmap._ray import RayExecutor  # noqa: E402
 from gradmap._ray._cluster import ensure_connected  # noqa: E402
 
+import support  # noqa: E402
+from support import Killer, SlowBackward, mark  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def ex() -> Iterator[RayExecutor]:
@@ -38,11 +39,13 @@ def ex() -> Iterator[RayExecutor]:
     ensure_connected(None, {"num_cpus": 2})
     # Functions and classes of this module travel by value (workers cannot import it).
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(support)
     executor = RayExecutor(timeout=120)
     try:
         yield executor
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cloudpickle.unregister_pickle_by_value(support)
         executor.shutdown()
         if started:
             ray.shutdown()
@@ -290,59 +293,6 @@ def test_progress_counts_every_element_in_both_passes(ex):
 # -- lost workers ------------------------------------------------------------------------------
 
 
-def _mark(marker: str) -> bool:
-    """Create ``marker`` with this process's pid, once: True for the one caller that did."""
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    return True
-
-
-class _Killer:
-    """Kills the process whose pid appears in ``marker`` (a worker waiting to be killed)."""
-
-    def __init__(self, marker: Path, pids: list[int]) -> None:
-        self.marker, self.pids, self.killed = marker, pids, []
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                text = self.marker.read_text().strip()
-            except FileNotFoundError:
-                text = ""
-            if text:
-                pid = int(text)
-                assert pid in self.pids
-                os.kill(pid, signal.SIGKILL)
-                self.killed.append(pid)
-                return
-            time.sleep(0.005)
-
-    def join(self) -> None:
-        self._thread.join(timeout=1)
-
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity; the backward of the marked element waits to be killed (once)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, marker: str | None) -> torch.Tensor:
-        ctx.marker = marker
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.marker is not None and _mark(ctx.marker):
-            time.sleep(60)
-        return g, None
-
-
 def _lossy_grads(
     ex: RayExecutor, s: _Setup, forward_marker: str | None, backward_marker: str | None
 ) -> list[torch.Tensor]:
@@ -350,9 +300,9 @@ def _lossy_grads(
     b = s.a * 2
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:
-        if i == 5 and forward_marker is not None and _mark(forward_marker):
+        if i == 5 and forward_marker is not None and mark(forward_marker):
             time.sleep(60)
-        h = _SlowBackward.apply(x * w + b, backward_marker if i == 5 else None)
+        h = SlowBackward.apply(x * w + b, backward_marker if i == 5 else None)
         return torch.sin(model(h)).sum() ** 2
 
     ys = gradmap.tmap(f, range(len(s.xs)), s.xs, executor=ex, chunksize=2)
@@ -366,7 +316,7 @@ def test_worker_killed_gives_the_same_gradients(ex, tmp_path, phase):
     expected = _lossy_grads(ex, s, None, None)
     pids = ex.worker_pids()
     marker = tmp_path / "pid"
-    killer = _Killer(marker, pids)
+    killer = Killer(marker, pids)
     markers = (str(marker), None) if phase == "forward" else (None, str(marker))
     got = _lossy_grads(ex, s, *markers)
     killer.join()
