@@ -5,8 +5,9 @@ both run it; they differ only in the transport (``_schedule.Transport``).
 NOTE [the map in other processes]:
     The thread executor's rule (``_torch/_rule.py``) with the chunks in other processes:
 
-    - Identity. ``f`` is pickled once per call (and sent once per worker while its payload is
-      unchanged: Ray's object store, or the processes' payloads by digest); each chunk's items
+    - Identity. ``f`` is pickled once per call (Ray puts it in its object store once per call;
+      the worker processes keep it by digest, so it is sent to each once while unchanged); each
+      chunk's items
       are pickled when the chunk is first sent. Every tensor that requires grad reachable from
       them travels as an id (NOTE [tensors travel as identities]); the driver keeps id ->
       original. On a worker they are leaves, so a chunk's graph ends at them: its boundary
@@ -35,8 +36,7 @@ NOTE [the map in other processes]:
       pickled items until the graph is released (``remat`` needs them anyway).
     - Random numbers: each element draws from its own generator seeded from ``base + i``, with
       the base the thread executor would draw (``ShippedSeed``), so a random ``f`` gives the
-      same results on Ray as on threads.
-
+      same results in other processes as on threads.
     - ``tsum``: each chunk's forward and, for a chunk of losses (0-d results), its pullback with
       cotangent one run in one call, and the worker keeps nothing; the join takes each such
       chunk's sum as one output, and its backward scales the chunk's gradients by that output's
