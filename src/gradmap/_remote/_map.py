@@ -7,11 +7,10 @@ NOTE [the map in other processes]:
 
     - Identity. ``f`` is pickled once per call (Ray puts it in its object store once per call;
       the worker processes keep it by digest, so it is sent to each once while unchanged); each
-      chunk's items
-      are pickled when the chunk is first sent. Every tensor that requires grad reachable from
-      them travels as an id (NOTE [tensors travel as identities]); the driver keeps id ->
-      original. On a worker they are leaves, so a chunk's graph ends at them: its boundary
-      (NOTE [the boundary of a chunk]) is the caller's tensors it used.
+      chunk's items are pickled when the chunk is first sent. Every tensor that requires grad
+      reachable from them travels as an id (NOTE [tensors travel as identities]); the driver
+      keeps id -> original. On a worker they are leaves, so a chunk's graph ends at them: its
+      boundary (NOTE [the boundary of a chunk]) is the caller's tensors it used.
     - Forward. Chunks go to the actors (NOTE [a pass over the actors]); each runs a chunk record's
       forward (``_torch/_chunk.py``, as threads do) under the caller's grad mode and autocast,
       keeps the record keyed by (call, chunk), and returns the results with their join outputs
