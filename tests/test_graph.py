@@ -144,3 +144,32 @@ def test_nested_map_over_rows_of_a_tensor_made_in_the_outer_element():
     got = torch.autograd.grad(sum(ys), [w, *bags])
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_tsum_runs_boundary_hooks_and_retained_grads_once_as_in_the_loop(workers):
+    def run(total):
+        torch.manual_seed(4)
+        w = torch.randn(3, dtype=F64, requires_grad=True)
+        h = w * 2
+        h.retain_grad()
+        calls = {"w": 0, "h": 0}
+
+        def count(name):
+            def hook(g):
+                calls[name] += 1
+                return g * 2
+
+            return hook
+
+        w.register_hook(count("w"))
+        h.register_hook(count("h"))
+        xs = [torch.randn(3, dtype=F64) for _ in range(6)]
+        total(lambda x: (x * h * w).sum(), xs).backward()
+        return calls, w.grad, h.grad
+
+    ref = run(lambda f, xs: torch.stack([f(x) for x in xs]).sum())
+    got = run(lambda f, xs: gradmap.tsum(f, xs, workers=workers, chunksize=1))
+    assert got[0] == ref[0]
+    torch.testing.assert_close(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2])

@@ -291,6 +291,24 @@ class BlockHooks:
             h.remove()
 
 
+def retains_grad(tensors: Iterable[Tensor]) -> bool:
+    """Whether a non-leaf among ``tensors`` retains its gradient.
+
+    The engine runs a retained gradient's hook whenever the tensor's edge is an
+    ``autograd.grad`` input, and the hook writes the tensor's ``.grad``: chunk pullbacks running
+    at once would write it from several threads, a data race in C++ that crashed the test suite
+    (a segmentation fault in ``test_graph``'s hooks test, once in six runs). Such a map pulls its
+    chunks back one after another.
+    """
+    return any(t.grad_fn is not None and t.retains_grad for t in tensors)
+
+
+def hooked(tensors: Iterable[Tensor]) -> bool:
+    """Whether a tensor among ``tensors`` has hooks of its own or retains its gradient (what
+    ``hooks_quiet`` must set aside before a chunk is pulled back)."""
+    return any(t._backward_hooks or (t.grad_fn is not None and t.retains_grad) for t in tensors)
+
+
 @contextmanager
 def hooks_quiet(tensors: Iterable[Tensor]) -> Iterator[None]:
     """While chunks pull back: the boundary tensors' own hooks (``register_hook``,

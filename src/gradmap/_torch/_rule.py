@@ -50,10 +50,12 @@ from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum,
 from ._graph import (
     BlockHooks,
     Known,
+    hooked,
     hooks_quiet,
     keep_graph,
     modules_of,
     plain_backward,
+    retains_grad,
     transforms_active,
 )
 from ._random import MapRandom
@@ -294,10 +296,13 @@ class _MapGraph:
         call, layout, records = self.call, self.layout, self.records
         assert records is not None
         state = ThreadState(grad_enabled=create_graph)
+        # A retained gradient's hook writes .grad from each pullback: one at a time.
+        serial = _CALLER if retains_grad(layout.inputs) else None
         with hooks_quiet(layout.inputs), call.buffers_kept() if recomputes else nullcontext():
             per_chunk = call.run_pass(
                 "backward",
                 backward_chunk,
+                executor=serial,
                 reverse=call.executor.reverse_backward,
                 context=state.enter,
             )
@@ -463,7 +468,9 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
         )
 
     def early(k: int, record: ChunkRecord) -> tuple[ChunkRecord, list[Tensor | None] | None]:
-        if not record.stored or not _loss_like(record):
+        # A boundary tensor's own hooks (and retained gradient) are set aside only around the
+        # sum's backward (``hooks_quiet``): such chunks are pulled back there.
+        if not record.stored or not _loss_like(record) or hooked(record.boundary.tensors):
             if call.remat:
                 record.drop_graph()
             return record, None
