@@ -281,7 +281,10 @@ class _MapGraph:
         self.layout = layout
         self.outputs = [t for r in records for t in r.outputs]
         hooks = BlockHooks((node for r in records for node in r.boundary.nodes), call.owner)
-        weakref.finalize(self, hooks.remove)
+        # Removed in the caller's backward once the graph is done with (the finalizer is for a
+        # graph never pulled back): a collection in any thread could otherwise remove them while
+        # another map's pullback runs the same shared node's pre-hooks.
+        self._remove_hooks = weakref.finalize(self, hooks.remove)
 
     def backward(
         self,
@@ -314,6 +317,7 @@ class _MapGraph:
         if not keep_graph():
             self.records = None
             call.free()
+            self._remove_hooks()
         return (None, *grads)
 
 
