@@ -25,7 +25,6 @@ class ProcessHost(Host):
     def __init__(self, threads: int, fds: socket.socket) -> None:
         super().__init__(threads)
         self._payloads = PayloadCache()
-        self.busy = 0.0  # seconds spent on calls (``_worker.main`` counts them)
         # A thread takes the descriptors off their socket as they come: a datagram socket holds
         # only a few messages, and the caller must never block on sending them.
         self._received: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -76,11 +75,6 @@ class ProcessHost(Host):
     ) -> list:
         self._touch(box)
         return super().recompute(call_id, box, spec, chunks, state)
-
-    def take_busy(self) -> float:
-        """Seconds spent on calls since the last ``take_busy`` (this call's own included)."""
-        busy, self.busy = self.busy, 0.0
-        return busy
 
     # -- shared storages ----------------------------------------------------------------------
 

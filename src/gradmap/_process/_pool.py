@@ -161,16 +161,17 @@ class _Worker:
         while self.pending:
             call = self.pending.popleft()
             call.lost = call.done = True
-        with contextlib.suppress(Exception):
-            self.conn.close()
-        with contextlib.suppress(Exception):
-            self.sock.close()
-        with contextlib.suppress(Exception):
-            self.fds.close()
+        self._close()
         with contextlib.suppress(Exception):
             self.process.kill()
         with contextlib.suppress(Exception):
             self.process.wait(timeout=5)
+
+    def _close(self) -> None:
+        """Close this side's sockets (the worker reads EOF and exits)."""
+        for end in (self.conn, self.sock, self.fds):
+            with contextlib.suppress(Exception):
+                end.close()
 
     def exit_status(self) -> str:
         code = self.process.poll()
@@ -203,12 +204,7 @@ class _Worker:
     def stop(self, timeout: float = 2.0) -> None:
         self.outbox.put(None)
         self.writer.join(timeout)
-        with contextlib.suppress(Exception):
-            self.conn.close()
-        with contextlib.suppress(Exception):
-            self.sock.close()
-        with contextlib.suppress(Exception):
-            self.fds.close()
+        self._close()
         try:
             self.process.wait(timeout=timeout)
         except Exception:

@@ -69,13 +69,11 @@ def main() -> None:
             message = conn.recv_bytes()
         except (EOFError, OSError):
             break
-        start = time.perf_counter()
         method, args = pickle.loads(message)
         try:
             reply: Any = ("ok", getattr(host, method)(*args))
         except BaseException as exc:
             reply = _error(exc)
-        host.busy += time.perf_counter() - start
         try:
             conn.send_bytes(_dumps(reply))
         except (BrokenPipeError, ConnectionResetError):

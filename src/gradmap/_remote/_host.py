@@ -224,11 +224,8 @@ class Host:
                         add_note(exc, element_note(i, spec.n, "forward", state.api))
                         raise
             return dumps_results((results, None, [], False))
-        window = cast(list, _Window(local, start, spec.n))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
-            record = run_forward(
-                state.f, window, indices, known=state.known, random=state.seed, api=state.api
-            )
+            record = _run(state, start, local)
         if spec.remat:
             record.drop_graph()
         pids = _pids(state, record)
@@ -288,12 +285,8 @@ class Host:
         if not spec.graph or spec.remat:
             return self._forward(state, k, start, items)
         local = cast(list, loads(items, state.leaves))
-        indices = range(start, start + len(local))
-        window = cast(list, _Window(local, start, spec.n))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
-            record = run_forward(
-                state.f, window, indices, known=state.known, random=state.seed, api=state.api
-            )
+            record = _run(state, start, local)
             losses = bool(record.outputs) and all(
                 len(el.diff) == 1 and len(el.leaves) == 1 and el.leaves[0].dim() == 0
                 for el in record.elements
@@ -306,7 +299,7 @@ class Host:
                     _reentrant(state)
                 if grads is DEFERRED:  # it failed: run it again, to raise with the element named
                     grads = _pull_back(
-                        self._rerun(state, start, local),
+                        _run(state, start, local),
                         tuple(torch.ones_like(t) for t in record.outputs),
                         state,
                     )
@@ -326,17 +319,6 @@ class Host:
         for value in values[1:]:
             total = total + value
         return dumps_results(("sum", total, _by_pid(pids, grads), state.seed.drawn))
-
-    def _rerun(self, state: _CallState, start: int, local: list[Any]) -> ChunkRecord:
-        window = cast(list, _Window(local, start, state.spec.n))
-        return run_forward(
-            state.f,
-            window,
-            range(start, start + len(local)),
-            known=state.known,
-            random=state.seed,
-            api=state.api,
-        )
 
     def recompute(
         self,
@@ -376,16 +358,8 @@ class Host:
         spec = state.spec
         local = cast(list, loads(items, state.leaves))
         cots = loads(cotangents, state.leaves)
-        window = cast(list, _Window(local, start, spec.n))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
-            fresh = run_forward(
-                state.f,
-                window,
-                range(start, start + len(local)),
-                known=state.known,
-                random=state.seed,
-                api=state.api,
-            )
+            fresh = _run(state, start, local)
         pids = _pids(state, fresh)
         # The cotangent of each fresh join output, found by (element, leaf position).
         given: dict[tuple[int, int], Any] = {}
@@ -404,6 +378,19 @@ class Host:
     def _check_threads(self) -> None:
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
+
+
+def _run(state: _CallState, start: int, local: list[Any]) -> ChunkRecord:
+    """A chunk's forward (the chunk record's), its elements indexed as in the whole map."""
+    window = cast(list, _Window(local, start, state.spec.n))
+    return run_forward(
+        state.f,
+        window,
+        range(start, start + len(local)),
+        known=state.known,
+        random=state.seed,
+        api=state.api,
+    )
 
 
 def _pull_back(record: ChunkRecord, cots: Any, state: _CallState) -> Any:
