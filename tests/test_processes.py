@@ -6,6 +6,7 @@ One executor of 2 workers serves the whole module (a worker takes about 1.5 s to
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -314,6 +315,56 @@ def test_no_grad_forward(ex, api):
             got = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
             assert not got.requires_grad
             torch.testing.assert_close(got, torch.stack(ref).sum())
+
+
+def _stored(ex: Any) -> int:
+    return sum(ex.stored_calls())
+
+
+def test_workers_keep_a_map_only_while_its_graph_waits(ex):
+    # A worker forgets a map once it holds none of its chunks; the caller releases what is left.
+    # (A fresh f per map: a backward frees the graph of its non-leaf closure tensor.)
+    s = _Setup()
+    assert _stored(ex) == 0
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
+    assert _stored(ex) == 2  # each worker holds chunks, waiting for the backward
+    torch.stack(ys).sum().backward(retain_graph=True)
+    assert _stored(ex) == 2  # retain_graph: kept for another backward
+    torch.stack(ys).sum().backward()
+    assert _stored(ex) == 0  # pulled back and forgotten, with no collection needed
+    # Only the first chunk gets a cotangent: the others are released after the backward.
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
+    ys[0].backward()
+    assert _stored(ex) == 0
+    # A graph dropped without a backward.
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
+    del ys
+    gc.collect()
+    assert _stored(ex) == 0
+    # Maps that keep nothing: tsum of losses, no_grad, remat.
+    gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2).backward()
+    with torch.no_grad():
+        gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
+    assert _stored(ex) == 0
+    torch.stack(ys).sum().backward()
+    assert _stored(ex) == 0
+    # A forward that fails on its last element: the chunks kept before it are released.
+    g = s.f()
+    with pytest.raises(ValueError):
+        gradmap.tmap(
+            lambda i, x: g(x) if i < len(s.xs) - 1 else _raise(ValueError("last")),
+            range(len(s.xs)),
+            s.xs,
+            executor=ex,
+            chunksize=2,
+        )
+    assert _stored(ex) == 0
+    _works(ex)
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
 
 
 # -- tsum -------------------------------------------------------------------------------------

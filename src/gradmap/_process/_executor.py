@@ -78,6 +78,10 @@ class ProcessExecutor(RemoteExecutor):
         """The process id of each worker a map uses (starting them if needed)."""
         return [w.pid for w in self._pool().ensure(self.workers)]
 
+    def stored_calls(self) -> list[int]:
+        """How many maps each worker holds state for (graphs awaiting their backward)."""
+        return self.transport().call_all("stored")
+
     def shutdown(self) -> None:
         """Stop the worker processes (of this ``threads_per_worker``); the next map starts new
         ones."""

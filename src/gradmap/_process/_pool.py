@@ -390,9 +390,16 @@ class ProcessTransport(Transport):
     def cancel(self, handle: Any) -> None:
         handle.cancelled = True
 
-    def release(self, call_id: str) -> None:
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every worker; the values, in worker order."""
+        handles = [self.call(index, method, *args) for index in range(self.workers)]
+        while not all(h.done for h in handles):
+            self.wait([h for h in handles if not h.done], 1.0)
+        return [self.get(h) for h in handles]
+
+    def release(self, call_id: str, workers: list[int] | None = None) -> None:
         # The answers are read (and dropped) by the next wait on each worker.
-        for index in range(self.workers):
+        for index in range(self.workers) if workers is None else workers:
             if self._workers[index].alive:
                 self.call(index, "release", call_id).cancelled = True
 

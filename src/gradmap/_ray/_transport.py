@@ -64,13 +64,13 @@ class RayTransport(Transport):
 
         return [ray.put(payload)]  # a list: Ray passes the ref itself, not its value
 
-    def release(self, call_id: str) -> None:
+    def release(self, call_id: str, workers: list[int] | None = None) -> None:
         import ray
 
         if not ray.is_initialized():
             return
-        for actor in self.actors:
-            actor.release.remote(call_id)
+        for index in range(len(self.actors)) if workers is None else workers:
+            self.actors[index].release.remote(call_id)
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
@@ -34,11 +34,11 @@ import torch
 from .._errors import add_note, element_note
 from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
 from .._torch._graph import Known
-from .._torch._random import MapRandom
+from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
 from ._pickling import LeafTable, dumps_results, loads
 
-__all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "in_worker"]
+__all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "draw_base", "in_worker"]
 
 Tensor = torch.Tensor
 
@@ -54,27 +54,34 @@ def in_worker() -> bool:
 
 
 class ShippedSeed(MapRandom):
-    """The map's seed base, drawn from a copy of the driver's global generator state.
+    """The map's seed base, drawn by the driver.
 
     The thread executor draws the base from the global generator on the first random call of a
-    map (NOTE [random numbers per element]). A worker draws it the same way from the state the
-    driver had when the map started, so the base is the one the threads would have drawn; the
-    worker reports that it drew, and the driver then makes the same draw to leave its generator
-    where the threads would have left it.
+    map (NOTE [random numbers per element]). The driver makes that draw before the map starts
+    and sets its generator back ([`draw_base`][]); a worker seeds each element from the base,
+    and reports whether the elements drew; if any did, the driver makes the same draw again, to
+    leave its generator where the threads would have left it.
     """
 
-    def __init__(self, state: Tensor | bytes) -> None:
-        if isinstance(state, bytes):
-            state = torch.frombuffer(bytearray(state), dtype=torch.uint8)
-        generator = torch.Generator()
-        generator.set_state(state)
-        self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64, generator=generator).item())
-        self._after = torch.default_generator.get_state()
-        self.drew = False
+    def __init__(self, base: int) -> None:
+        super().__init__()
+        self.base = base
 
     @property
     def drawn(self) -> bool:
         return self.drew
+
+
+def draw_base() -> int:
+    """The seed base the thread executor would draw now; the global generator is left as it was
+    (about 4 us)."""
+    generator = torch.default_generator
+    with SEEDING:  # no other map seeds the generator meanwhile
+        state = generator.get_state()
+        try:
+            return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        finally:
+            generator.set_state(state)
 
 
 @dataclass
@@ -83,8 +90,7 @@ class CallSpec:
 
     Attributes:
         n: the number of elements of the map.
-        rng_state: the driver's global generator state when the map started (its bytes: a
-            tensor would be pickled through ``torch.save``, ten times slower).
+        seed_base: the map's seed base ([`draw_base`][]).
         forward_state: the caller's grad mode, inference mode and autocast.
         default_dtype: the caller's ``torch.get_default_dtype()`` (process-wide: it does not
             travel by itself).
@@ -94,7 +100,7 @@ class CallSpec:
     """
 
     n: int
-    rng_state: bytes
+    seed_base: int
     forward_state: ThreadState
     default_dtype: torch.dtype
     graph: bool
@@ -102,8 +108,14 @@ class CallSpec:
     api: str = "gradmap.tmap"
 
 
+def _default_dtype(dtype: torch.dtype) -> AbstractContextManager[None]:
+    if torch.get_default_dtype() == dtype:
+        return nullcontext()
+    return _set_default_dtype(dtype)
+
+
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def _set_default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -191,7 +203,7 @@ class Host:
             f, leaves = self.load_f(box)
             known = Known(f, (), eager=False)
             api = f"{spec.api}(executor={self.executor!r})"
-            state = _CallState(f, spec, leaves, ShippedSeed(spec.rng_state), known, api)
+            state = _CallState(f, spec, leaves, ShippedSeed(spec.seed_base), known, api)
             self._calls[call_id] = state
         self._check_threads()
         return state
@@ -208,7 +220,10 @@ class Host:
             the map's seed.
         """
         state = self._call(call_id, box, spec)
-        return [self._forward(state, k, start, items) for k, start, items in chunks]
+        try:
+            return [self._forward(state, k, start, items) for k, start, items in chunks]
+        finally:
+            self._drop_if_empty(call_id, state)
 
     def _forward(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
         spec = state.spec
@@ -241,10 +256,15 @@ class Host:
         )
 
     def backward(
-        self, call_id: str, chunks: list[tuple[int, bytes]], backward_state: ThreadState
+        self,
+        call_id: str,
+        chunks: list[tuple[int, bytes]],
+        backward_state: ThreadState,
+        keep: bool = False,
     ) -> list:
         """Pull back kept chunks, each given as ``(chunk, cotangents)`` (one cotangent per join
-        output of the chunk).
+        output of the chunk); unless ``keep`` (``retain_graph``), forget each chunk once pulled
+        back.
 
         Returns:
             For each chunk, its pickled gradients, ``[(pid, gradient), ...]`` summed per pid
@@ -252,16 +272,22 @@ class Host:
         """
         state = self._calls.get(call_id)
         out: list[Any] = []
-        for k, cotangents in chunks:
-            kept = None if state is None else state.chunks.get(k)
-            if state is None or kept is None:
-                out.append(LOST)
-                continue
-            self._check_threads()
-            cots = tuple(loads(cotangents, state.leaves))
-            with backward_state.enter(False), _default_dtype(state.spec.default_dtype):
-                grads = _pull_back(kept.chunk, cots, state)
-            out.append(dumps_results(_by_pid(kept.pids, grads)))
+        try:
+            for k, cotangents in chunks:
+                kept = None if state is None else state.chunks.get(k)
+                if state is None or kept is None:
+                    out.append(LOST)
+                    continue
+                self._check_threads()
+                cots = tuple(loads(cotangents, state.leaves))
+                with backward_state.enter(False), _default_dtype(state.spec.default_dtype):
+                    grads = _pull_back(kept.chunk, cots, state)
+                if not keep:
+                    del state.chunks[k]
+                out.append(dumps_results(_by_pid(kept.pids, grads)))
+        finally:
+            if state is not None:
+                self._drop_if_empty(call_id, state)
         return out
 
     def forward_sum(
@@ -278,7 +304,10 @@ class Host:
             ``forward`` returns for it.
         """
         state = self._call(call_id, box, spec)
-        return [self._forward_sum(state, k, start, items) for k, start, items in chunks]
+        try:
+            return [self._forward_sum(state, k, start, items) for k, start, items in chunks]
+        finally:
+            self._drop_if_empty(call_id, state)
 
     def _forward_sum(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
         spec = state.spec
@@ -341,10 +370,13 @@ class Host:
             For each chunk, its pickled gradients, as ``backward`` returns them.
         """
         state = self._call(call_id, box, spec)
-        return [
-            self._recompute(state, start, items, diff, cotangents, backward_state)
-            for start, items, diff, cotangents in chunks
-        ]
+        try:
+            return [
+                self._recompute(state, start, items, diff, cotangents, backward_state)
+                for start, items, diff, cotangents in chunks
+            ]
+        finally:
+            self._drop_if_empty(call_id, state)
 
     def _recompute(
         self,
@@ -374,6 +406,12 @@ class Host:
         with backward_state.enter(False), _default_dtype(spec.default_dtype):
             grads = _pull_back(fresh, aligned, state)
         return dumps_results(_by_pid(pids, grads))
+
+    def _drop_if_empty(self, call_id: str, state: _CallState) -> None:
+        # A call's state lives only while this actor holds a chunk of it: the driver sends a
+        # release only to actors it left chunks on (NOTE [the map in other processes]).
+        if not state.chunks:
+            self._calls.pop(call_id, None)
 
     def _check_threads(self) -> None:
         if torch.get_num_threads() != self._threads:

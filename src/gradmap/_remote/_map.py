@@ -17,9 +17,11 @@ NOTE [the map in other processes]:
       detached, and the ids of the caller's tensors the chunk used.
     - The join. One ``autograd.Function`` on the driver takes as inputs the originals of every id
       some chunk used, and returns the join outputs, so the caller's graph sees the whole map as
-      one node, as with threads. Its state object has a ``weakref.finalize`` that sends a release
-      to the actors: a graph freed without a backward (results dropped, an exception) leaves no
-      state on them.
+      one node, as with threads. A worker keeps a map's state only while it holds a chunk of
+      it (a pullback without ``retain_graph`` forgets the chunk), so a map pulled back whole
+      costs no release message; the driver's state object has a ``weakref.finalize`` that sends
+      a release to the workers still holding chunks: a graph freed without a backward (results
+      dropped, an exception), or chunks that got no cotangent, leave no state on them.
     - Backward. Each chunk's cotangents go to the actor holding its graph, which pulls it back
       (the chunk record's ``pull_back``: missing and zero cotangents skip the work) and
       sends one gradient per id: the chunk's sum, computed there -- one tensor per parameter per
@@ -66,7 +68,7 @@ from .._torch._graph import transforms_active as _transforms_active
 from .._torch._rule import map_torch, sum_results
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
-from ._host import CallSpec, in_worker
+from ._host import CallSpec, draw_base, in_worker
 from ._pickling import TensorTable, dumps, dumps_results, loads_results
 from ._schedule import Job, Transport, run_pass
 
@@ -75,10 +77,14 @@ __all__ = ["map_remote"]
 Tensor = torch.Tensor
 
 
-def _release(transport: Transport, call_id: str) -> None:
-    # Fire and forget; nothing to do at interpreter shutdown or over a lost connection.
+def _release(transport: Transport, call_id: str, held: dict[int, int] | None) -> None:
+    # Fire and forget, to the workers still holding chunks (``None``: to every worker); nothing
+    # to do at interpreter shutdown or over a lost connection.
+    workers = None if held is None else sorted(set(held.values()))
+    if workers == []:
+        return
     with contextlib.suppress(Exception):
-        transport.release(call_id)
+        transport.release(call_id, workers)
 
 
 class _Call:
@@ -113,11 +119,17 @@ class _Call:
         self.inputs: list[int] = []  # the pids of the join's inputs
         self.outputs: list[Tensor] = []  # the join outputs, until the join is applied
         self.early: dict[int, list[tuple[int, Tensor]]] = {}  # tsum's chunks of losses
-        self._finalizer = weakref.finalize(self, _release, transport, self.id)
+        self.held: dict[int, int] = {}  # chunk -> the worker keeping its graph
+        self._finalizer = weakref.finalize(self, _release, transport, self.id, self.held)
         self._finalizer.atexit = False
 
     def release(self) -> None:
         self._finalizer()
+
+    def release_all(self) -> None:
+        """Release the call on every worker (after a failed pass: calls may still be running)."""
+        self._finalizer.detach()
+        _release(self.transport, self.id, None)
 
     def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:
         run_pass(
@@ -173,6 +185,8 @@ class _Call:
                 trees, diff, pids, chunk_drawn = got
                 per_chunk[k] = (trees, diff)
                 self.owners[k] = a
+                if self.spec.graph and not self.remat:  # the worker keeps the chunk
+                    self.held[k] = a
                 used.update(pids)
             drawn = drawn or chunk_drawn
             if bar is not None:
@@ -217,11 +231,13 @@ class _Call:
                     a, "recompute", self.id, self.box, self.spec, chunks, state
                 )
             return self.transport.call(
-                a, "backward", self.id, [(j.chunk, payloads[j.chunk]) for j in jobs], state
+                a, "backward", self.id, [(j.chunk, payloads[j.chunk]) for j in jobs], state, keep
             )
 
         def on_result(k: int, a: int, value: bytes) -> None:
             per_chunk[k] = loads_results(value)
+            if not keep:
+                self.held.pop(k, None)  # the worker forgot it (``Host.backward``)
             if bar is not None:
                 start, stop = plan.bounds(k)
                 bar.update(stop - start)
@@ -301,7 +317,7 @@ def map_remote(
     graph = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     spec = CallSpec(
         n=plan.n,
-        rng_state=torch.get_rng_state().numpy().tobytes(),
+        seed_base=draw_base(),
         forward_state=ThreadState(),
         default_dtype=torch.get_default_dtype(),
         graph=graph,
@@ -324,7 +340,7 @@ def map_remote(
     try:
         per_chunk = call.forward(elements, "forward_sum" if summed and graph else "forward")
     except BaseException:
-        call.release()
+        call.release_all()
         raise
     if not graph:
         call.release()

@@ -80,8 +80,26 @@ def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     return raw.view(dtype).reshape(shape)
 
 
+def _rebuild_contiguous(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    if len(buffer):
+        return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    return torch.empty(shape, dtype=dtype)
+
+
 def _reduce_tensor(t: Tensor) -> Any:
-    """A plain CPU tensor as its bytes; ``NotImplemented`` for anything else (default pickling)."""
+    """A plain CPU tensor as its bytes; ``NotImplemented`` for anything else (default pickling).
+
+    ``t`` does not require grad (callers detach)."""
+    if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        # The common case in three cheap calls (a bag's many small tensors): numpy's view of
+        # the elements is the buffer. ``numpy()`` refuses other devices and dtypes numpy lacks.
+        try:
+            array = t.numpy()
+        except (TypeError, RuntimeError):
+            pass
+        else:
+            buffer = pickle.PickleBuffer(array)  # type: ignore[arg-type]
+            return _rebuild_contiguous, (buffer, t.dtype, tuple(t.shape))
     if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
         return NotImplemented
     flat = t.detach().resolve_conj().resolve_neg().reshape(-1)

@@ -94,8 +94,8 @@ class Transport:
         """What a call passes for a payload every chunk of a map shares (``f``)."""
         return payload
 
-    def release(self, call_id: str) -> None:
-        """Tell every worker to forget a map (fire and forget)."""
+    def release(self, call_id: str, workers: list[int] | None = None) -> None:
+        """Tell the workers (``None``: every worker) to forget a map (fire and forget)."""
 
 
 #: A call takes ``1 / (GUIDED * actors)`` of the chunks left.

@@ -34,9 +34,9 @@ import torch
 
 from .._engine import in_worker
 
-__all__ = ["MapRandom"]
+__all__ = ["SEEDING", "MapRandom"]
 
-_LOCK = threading.RLock()
+SEEDING = threading.RLock()
 
 
 def _position(state: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class MapRandom:
         """Around a forward in one thread: this map owns the global generator (a lock keeps
         other maps' seeding out), draws its base on first use, and leaves the generator as that
         one draw left it."""
-        with nullcontext() if in_worker() else _LOCK:  # nested: the outer map holds it
+        with nullcontext() if in_worker() else SEEDING:  # nested: the outer map holds it
             gen = torch.default_generator
             if self._after is None:
                 self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
@@ -112,7 +112,7 @@ class MapRandom:
 
     @contextmanager
     def _replay(self) -> Iterator[MapRandom]:
-        with _LOCK:
+        with SEEDING:
             saved = torch.default_generator.get_state()
             try:
                 yield self

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 
@@ -67,16 +67,28 @@ class ThreadState:
                     stack.enter_context(torch.autocast(dev, enabled=False))
             yield
 
-    @contextmanager
-    def enter(self, is_caller: bool) -> Iterator[None]:
+    def enter(self, is_caller: bool) -> AbstractContextManager[None]:
         """Enter the snapshot in this thread; the caller's thread already has it."""
         if in_gradmap_pool():
             threads = torch.get_num_threads()
             if threads != INTRA_OP_THREADS:
                 _set_own_intra_op_threads(INTRA_OP_THREADS, threads)
-        if is_caller:
-            yield
-            return
+        if is_caller or self._current():
+            return nullcontext()  # a chunk's few microseconds count on small elements
+        return self._enter()
+
+    def _current(self) -> bool:
+        """Whether this thread is in the snapshot's state already."""
+        return (
+            not self.inference
+            and not self.autocast
+            and not torch.is_inference_mode_enabled()
+            and torch.is_grad_enabled() == self.grad_enabled
+            and not any(torch.is_autocast_enabled(dev) for dev in _AUTOCAST_DEVICES)
+        )
+
+    @contextmanager
+    def _enter(self) -> Iterator[None]:
         with ExitStack() as stack:
             if self.inference:
                 stack.enter_context(torch.inference_mode())
