@@ -367,3 +367,30 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="threads_per_worker"):
         RayExecutor(threads_per_worker=0)
     assert "RayExecutor(workers=3" in repr(RayExecutor(workers=3))
+
+
+def test_unchanged_f_is_put_once_and_a_changed_one_is_seen(ex):
+    model = nn.Linear(3, 1)
+    xs = [torch.randn(3) for _ in range(4)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum() ** 2
+
+    def check() -> None:
+        model.zero_grad()
+        torch.stack(gradmap.tmap(f, xs, executor=ex, chunksize=1)).sum().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        torch.stack([f(x) for x in xs]).sum().backward()
+        for g, r in zip(got, [p.grad for p in model.parameters()]):
+            torch.testing.assert_close(g, r)
+
+    puts = ex.transport().puts
+    check()
+    before = len(puts._refs)
+    check()
+    assert len(puts._refs) == before  # the same payload: no second put
+    with torch.no_grad():
+        model.weight.mul_(-2.0)  # an optimizer's in-place step: a new payload
+    check()
+    assert len(puts._refs) == min(before + 1, 4)

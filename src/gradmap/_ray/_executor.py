@@ -88,16 +88,22 @@ class RayExecutor(RemoteExecutor):
         """Calls to the actors a map uses (connecting to Ray and starting the pool if needed)."""
         from ._transport import RayTransport
 
-        return RayTransport(self.actors())
+        pool = self._pool()
+        return RayTransport(self._used(pool), pool.puts)
 
-    def actors(self) -> list[Any]:
-        """The actor handles a map uses, connecting to Ray and starting the pool if needed."""
+    def _pool(self) -> Any:
         from ._pool import get_pool
 
         ray = ensure_connected(self.address, self.init_kwargs)
-        pool = get_pool(ray, self.threads_per_worker, self.start_timeout)
+        return get_pool(ray, self.threads_per_worker, self.start_timeout)
+
+    def _used(self, pool: Any) -> list[Any]:
         count = len(pool) if not self._workers else min(self._workers, len(pool))
-        return pool.actors[:count]
+        return pool.actors[:count]  # type: ignore[no-any-return]
+
+    def actors(self) -> list[Any]:
+        """The actor handles a map uses, connecting to Ray and starting the pool if needed."""
+        return self._used(self._pool())
 
     def worker_pids(self) -> list[int]:
         """The process id of each actor a map uses (starting them if needed)."""

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from ._transport import RayHost
+from ._transport import PutCache, RayHost
 
 __all__ = ["WorkerPool", "get_pool", "shutdown_pools"]
 
@@ -44,6 +44,7 @@ class WorkerPool:
     def __init__(self, actors: list[Any], threads: int) -> None:
         self.actors = actors
         self.threads = threads
+        self.puts = PutCache()
 
     def __len__(self) -> int:
         return len(self.actors)

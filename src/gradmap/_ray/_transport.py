@@ -3,6 +3,11 @@ waits and the payload of ``f`` go through Ray."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import pickle
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from .._errors import add_note
@@ -10,20 +15,68 @@ from .._remote._host import Host
 from .._remote._pickling import LeafTable, loads
 from .._remote._schedule import Transport, WorkerLost
 
-__all__ = ["RayHost", "RayTransport"]
+__all__ = ["PutCache", "RayHost", "RayTransport"]
+
+#: Payloads of ``f`` kept in Ray's object store (and unpickled on each actor), by digest.
+PAYLOADS_KEPT = 4
 
 
 class RayHost(Host):
     """The actor class (wrapped with ``ray.remote`` by the pool): ``f``'s payload comes from
-    Ray's object store, once per call."""
+    Ray's object store the first time an actor meets its digest, and stays unpickled there while
+    it is among the last ``PAYLOADS_KEPT``."""
 
     executor = "ray"
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        self._functions: OrderedDict[bytes, tuple[Any, LeafTable]] = OrderedDict()
+
+    def run(self, method: str, blob: bytes, refs: list[Any]) -> Any:
+        """``method(*args)`` with the arguments pickled in one ``blob`` (Ray serializes each
+        argument of a call on its own, at a cost per argument), and the object references in
+        them passed beside it, in a list (so that Ray passes them as they are)."""
+        args = _ArgsUnpickler(io.BytesIO(blob), refs).load()
+        return getattr(self, method)(*args)
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
         import ray
 
-        leaves = LeafTable()
-        return loads(ray.get(box[0]), leaves), leaves
+        digest, refs = box
+        entry = self._functions.get(digest)
+        if entry is None:
+            leaves = LeafTable()
+            entry = self._functions[digest] = (loads(ray.get(refs[0]), leaves), leaves)
+            while len(self._functions) > PAYLOADS_KEPT:
+                self._functions.popitem(last=False)
+        else:
+            self._functions.move_to_end(digest)
+        f, leaves = entry
+        return f, leaves.copy()
+
+
+class PutCache:
+    """The caller's side of the payloads of ``f``: digest -> the object store's reference, the
+    last ``PAYLOADS_KEPT`` (an unchanged ``f`` is put once, not once per map: a put costs about
+    half a millisecond)."""
+
+    def __init__(self) -> None:
+        self._refs: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def box(self, payload: bytes) -> tuple[bytes, list[Any]]:
+        import ray
+
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        with self._lock:
+            ref = self._refs.get(digest)
+            if ref is None:
+                ref = self._refs[digest] = ray.put(payload)
+                while len(self._refs) > PAYLOADS_KEPT:
+                    self._refs.popitem(last=False)
+            else:
+                self._refs.move_to_end(digest)
+        return digest, [ref]  # a list: Ray passes the ref itself, not its value
 
 
 class RayTransport(Transport):
@@ -31,12 +84,19 @@ class RayTransport(Transport):
 
     name = "ray"
 
-    def __init__(self, actors: list[Any]) -> None:
+    def __init__(self, actors: list[Any], puts: PutCache | None = None) -> None:
         super().__init__(len(actors))
         self.actors = actors
+        self.puts = puts or PutCache()
 
     def call(self, worker: int, method: str, *args: Any) -> Any:
-        return getattr(self.actors[worker], method).remote(*args)
+        actor = self.actors[worker]
+        if not args:
+            return getattr(actor, method).remote()
+        buffer = io.BytesIO()
+        pickler = _ArgsPickler(buffer)
+        pickler.dump(args)
+        return actor.run.remote(method, buffer.getvalue(), pickler.refs)
 
     def wait(self, handles: list[Any], timeout: float) -> list[Any]:
         import ray
@@ -60,9 +120,7 @@ class RayTransport(Transport):
         ray.cancel(handle)
 
     def box(self, payload: bytes) -> Any:
-        import ray
-
-        return [ray.put(payload)]  # a list: Ray passes the ref itself, not its value
+        return self.puts.box(payload)
 
     def release(self, call_id: str, workers: list[int] | None = None) -> None:
         import ray
@@ -71,6 +129,29 @@ class RayTransport(Transport):
             return
         for index in range(len(self.actors)) if workers is None else workers:
             self.actors[index].release.remote(call_id)
+
+
+class _ArgsPickler(pickle.Pickler):
+    """Pickles a call's arguments, setting Ray's object references aside."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=5)
+        self.refs: list[Any] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj).__name__ == "ObjectRef" and type(obj).__module__.startswith("ray"):
+            self.refs.append(obj)
+            return len(self.refs) - 1
+        return None
+
+
+class _ArgsUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, refs: list[Any]) -> None:
+        super().__init__(file)
+        self._refs = refs
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._refs[pid]
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -165,8 +165,8 @@ class Host:
     """What a worker process runs: the chunks of maps, by call.
 
     A transport subclasses it to say how ``f``'s payload arrives (``load_f``): Ray's actors get it
-    from the object store; gradmap's worker processes keep the payloads they were sent, by
-    digest, and the functions unpickled from them.
+    from the object store, gradmap's worker processes in the call that first needs it; both
+    keep the functions unpickled from recent payloads, by digest.
     """
 
     #: The executor's name, for errors (``executor='ray'``).

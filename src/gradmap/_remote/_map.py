@@ -5,8 +5,9 @@ both run it; they differ only in the transport (``_schedule.Transport``).
 NOTE [the map in other processes]:
     The thread executor's rule (``_torch/_rule.py``) with the chunks in other processes:
 
-    - Identity. ``f`` is pickled once per call (Ray puts it in its object store once per call;
-      the worker processes keep it by digest, so it is sent to each once while unchanged); each
+    - Identity. ``f`` is pickled once per call, and its payload is known by digest: Ray puts it
+      in its object store, and the worker processes are sent it, once while it is unchanged, and
+      the workers keep it unpickled (a few recent payloads each); each
       chunk's items are pickled when the chunk is first sent. Every tensor that requires grad
       reachable from them travels as an id (NOTE [tensors travel as identities]); the driver
       keeps id -> original. On a worker they are leaves, so a chunk's graph ends at them: its
