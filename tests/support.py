@@ -211,8 +211,16 @@ def executor_kwargs(name: str) -> Iterator[tuple[dict[str, Any], list[Any]]]:
 # cloudpickle.register_pickle_by_value (a Ray worker cannot import it).
 
 
+#: The test process: ``mark`` never marks it (a map's chunks may run there too, and the killer
+#: kills worker processes only). Pickled by value into the workers, where it is not their pid.
+_TEST_PROCESS = os.getpid()
+
+
 def mark(marker: str) -> bool:
-    """Create ``marker`` with this process's pid, once: True for the one caller that did."""
+    """Create ``marker`` with this process's pid, once: True for the one worker process that did
+    (never the test process)."""
+    if os.getpid() == _TEST_PROCESS:
+        return False
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:

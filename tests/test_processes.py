@@ -30,12 +30,14 @@ from support import Boom, Killer, SlowBackward, deadline, mark, notes
 _SEEN_PIDS: set[int] = set()
 
 
-@pytest.fixture(scope="module")
-def ex() -> Iterator[Any]:
+@pytest.fixture(scope="module", params=[True, False], ids=["caller-helps", "processes-only"])
+def ex(request: Any) -> Iterator[Any]:
     # Functions and classes of this module travel by value (workers cannot import it).
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(support)
-    executor = gradmap.ProcessExecutor(workers=2, timeout=120)
+    # Two worker processes either way; with the caller running chunks too (the default).
+    helps = request.param
+    executor = gradmap.ProcessExecutor(workers=3 if helps else 2, caller_helps=helps, timeout=120)
     try:
         yield executor
     finally:
@@ -138,7 +140,38 @@ def test_runs_on_the_workers(ex):
     pids = _pids(ex)
     assert len(pids) == 2 and os.getpid() not in pids
     seen = gradmap.tmap(lambda i: os.getpid(), range(8), executor=ex, chunksize=1)
-    assert set(seen) <= set(pids)
+    assert set(seen) <= {*pids, os.getpid()}
+    assert (os.getpid() in seen) <= ex.caller_helps
+
+
+def test_the_caller_runs_chunks_as_a_worker_would(ex):
+    # The caller's chunks: maps inside f run serially, one intra-op thread, and the caller's
+    # generator and thread count are as they were after the map.
+    if not ex.caller_helps:
+        pytest.skip("the caller does not run chunks")
+    threads = torch.get_num_threads()
+
+    def f(i: int) -> tuple[int, int, int]:
+        inner = gradmap.tmap(lambda j: os.getpid(), range(3), executor="processes")
+        return os.getpid(), torch.get_num_threads(), len(set(inner))
+
+    seen = gradmap.tmap(f, range(16), executor=ex, chunksize=1)
+    assert os.getpid() in {pid for pid, _, _ in seen}
+    assert all(n == 1 and distinct == 1 for _, n, distinct in seen)
+    assert torch.get_num_threads() == threads
+    # The caller's chunks seed the generator per element; it is left as it was (f drew nothing)
+    # and as the threads would leave it (f drew).
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    w = torch.ones(3, requires_grad=True)
+    gradmap.tmap(lambda x: (x * w).sum(), torch.ones(16, 3), executor=ex, chunksize=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    drawn = gradmap.tmap(lambda x: x + torch.rand(()), torch.ones(16), executor=ex, chunksize=1)
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)
+    ref = gradmap.tmap(lambda x: x + torch.rand(()), torch.ones(16), executor="threads")
+    assert torch.equal(torch.stack(drawn), torch.stack(ref))
+    assert torch.equal(torch.get_rng_state(), after)
 
 
 def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
@@ -770,9 +803,10 @@ def _lossy(s: _Setup, forward_marker: str | None, backward_marker: str | None) -
     b = s.a * 2
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:
-        if i == 5 and forward_marker is not None and mark(forward_marker):
+        # The first element to run in a worker process (not the caller's) waits to be killed.
+        if forward_marker is not None and mark(forward_marker):
             time.sleep(60)
-        h = SlowBackward.apply(x * w + b, backward_marker if i == 5 else None)
+        h = SlowBackward.apply(x * w + b, backward_marker)
         return torch.sin(model(h)).sum() ** 2
 
     return f
@@ -824,7 +858,7 @@ def test_worker_killed_between_forward_and_backward(ex, victims):
     s = _Setup()
     ref, ref_y = s.grads(_loop)
     out = gradmap.tmap(_tagged(s.f()), s.xs, executor=ex, chunksize=2)
-    ys, owners = [o[0] for o in out], {o[1] for o in out}
+    ys, owners = [o[0] for o in out], {o[1] for o in out} - {os.getpid()}  # not the caller
     assert owners <= set(_pids(ex))
     killed = sorted(owners)[:1] if victims == "one" else sorted(owners)
     for pid in killed:  # workers that hold graphs of this map
@@ -905,9 +939,9 @@ def test_executor_name_processes(ex):
     _close(got, ref)
     total = gradmap.tsum(s.f(), s.xs, executor="processes", chunksize=2)
     torch.testing.assert_close(total, _loop_sum(s.f(), s.xs))
-    pids = gradmap.tmap(lambda i: os.getpid(), range(4), executor="processes", chunksize=1)
-    assert os.getpid() not in pids
-    _SEEN_PIDS.update(pids)
+    pids = set(gradmap.tmap(lambda i: os.getpid(), range(4), executor="processes", chunksize=1))
+    assert pids - {os.getpid()}  # a worker process ran some (the caller may run others)
+    _SEEN_PIDS.update(pids - {os.getpid()})
 
 
 def test_bad_arguments():
@@ -933,7 +967,7 @@ def test_nested_tmap_runs_on_the_worker(ex, inner):
 
     got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
     ref = _loop(f, xs)
-    pids = set(_pids(ex))
+    pids = {*_pids(ex), os.getpid()}  # the workers, and the caller (its chunks run as theirs)
     for (y, pid, where), (r, _, _) in zip(got, ref):
         assert pid in pids
         assert set(where) == {pid}  # the inner map ran in the worker itself

@@ -30,8 +30,16 @@ class ProcessExecutor(RemoteExecutor):
     changes in them (BatchNorm's running statistics, a counter) stays in the worker, except
     tensors in shared memory; a ``create_graph=True`` backward through the map raises.
 
+    By default the caller's thread runs chunks too, between its work for the worker processes
+    (NOTE [the caller works too] in ``gradmap/_process/_local.py``): ``workers=4`` is three
+    processes and the caller.
+
     Arguments:
-        workers: worker processes that run the chunks of one map. Default: the cores available.
+        workers: how many run the chunks of one map at once, the caller included. Default: the
+            cores available.
+        caller_helps: the caller runs chunks too (``workers - 1`` processes); ``False``:
+            ``workers`` processes run them while the caller waits. With ``workers=1``, one
+            process runs them.
         threads_per_worker: PyTorch intra-op threads of each worker.
         timeout: seconds a pass may go without any chunk finishing before it fails with
             ``TimeoutError``; ``None`` (default) waits as long as ``f`` takes.
@@ -44,6 +52,7 @@ class ProcessExecutor(RemoteExecutor):
         self,
         workers: int | None = None,
         *,
+        caller_helps: bool = True,
         threads_per_worker: int = 1,
         timeout: float | None = None,
         start_timeout: float = 60.0,
@@ -56,6 +65,8 @@ class ProcessExecutor(RemoteExecutor):
                     f"gradmap.ProcessExecutor: {label} must be a positive int, got {value!r}"
                 )
         super().__init__(workers or max(1, available_cores() // threads_per_worker))
+        self.caller_helps = bool(caller_helps) and self.workers > 1  # type: ignore[misc]
+        self.processes = self.workers - self.caller_helps
         self.threads_per_worker = threads_per_worker
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -70,13 +81,15 @@ class ProcessExecutor(RemoteExecutor):
         return self._pool().sharer
 
     def transport(self) -> Any:
+        from ._local import local_host
         from ._pool import ProcessTransport
 
-        return ProcessTransport(self._pool(), self.workers)
+        local = local_host() if self.caller_helps else None
+        return ProcessTransport(self._pool(), self.processes, local)
 
     def worker_pids(self) -> list[int]:
-        """The process id of each worker a map uses (starting them if needed)."""
-        return [w.pid for w in self._pool().ensure(self.workers)]
+        """The process id of each worker process a map uses (starting them if needed)."""
+        return [w.pid for w in self._pool().ensure(self.processes)]
 
     def stored_calls(self) -> list[int]:
         """How many maps each worker holds state for (graphs awaiting their backward)."""
@@ -91,7 +104,8 @@ class ProcessExecutor(RemoteExecutor):
 
     def __repr__(self) -> str:
         return (
-            f"ProcessExecutor(workers={self.workers}, threads_per_worker={self.threads_per_worker})"
+            f"ProcessExecutor(workers={self.workers}, caller_helps={self.caller_helps}, "
+            f"threads_per_worker={self.threads_per_worker})"
         )
 
 

@@ -44,6 +44,7 @@ from typing import Any
 from .._errors import add_note
 from .._remote._pickling import Payload
 from .._remote._schedule import Transport, WorkerLost
+from ._local import LocalHost
 from ._shared import Sharer
 from ._worker import FDS_PER_MESSAGE, PAYLOADS_KEPT
 
@@ -58,6 +59,18 @@ class _Call:
 
     def __init__(self, worker: _Worker) -> None:
         self.worker = worker
+        self.done = self.lost = self.cancelled = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class _LocalCall:
+    """A call to the caller's own host: run when the pass waits (``ProcessTransport.wait``)."""
+
+    __slots__ = ("args", "cancelled", "done", "error", "lost", "method", "value")
+
+    def __init__(self, method: str, args: tuple[Any, ...]) -> None:
+        self.method, self.args = method, args
         self.done = self.lost = self.cancelled = False
         self.value: Any = None
         self.error: BaseException | None = None
@@ -289,11 +302,19 @@ class ProcessTransport(Transport):
     name = "processes"
     depth = 2
 
-    def __init__(self, pool: Pool, count: int) -> None:
-        super().__init__(count)
+    def __init__(self, pool: Pool, count: int, local: LocalHost | None = None) -> None:
+        """``count`` worker processes, and with ``local`` the caller too, as the last worker
+        (NOTE [the caller works too] in ``_local.py``)."""
+        super().__init__(count + (local is not None))
         self.pool = pool
+        self._remote = count
+        self._local = local
         self._workers = pool.ensure(count)
         pool.forget_dead()
+
+    def most(self, worker: int) -> int | None:
+        # The caller runs one chunk at a time: between two, it answers the workers.
+        return 1 if worker == self._remote else None
 
     def _worker(self, index: int) -> _Worker:
         w = self._workers[index]
@@ -305,6 +326,8 @@ class ProcessTransport(Transport):
         return _Box(payload, getattr(payload, "keys", {}))
 
     def call(self, worker: int, method: str, *args: Any) -> Any:
+        if worker == self._remote:
+            return _LocalCall(method, args)  # run by ``wait``, when no worker has an answer
         w = self._worker(worker)
         call = _Call(w)
         if not w.alive:
@@ -364,6 +387,33 @@ class ProcessTransport(Transport):
         ready = [h for h in handles if h.done]
         if ready:
             return ready
+        local = next((h for h in handles if type(h) is _LocalCall), None)
+        if local is None:
+            return self._wait_remote(handles, timeout)
+        # The workers' answers first (their next calls go out before the caller runs a chunk).
+        if len(handles) > 1:
+            ready = self._wait_remote(handles, 0.0)
+            if ready:
+                return ready
+        self._run_local(local)
+        return [local]
+
+    def _run_local(self, call: _LocalCall) -> None:
+        assert self._local is not None
+        try:
+            if not call.cancelled:
+                call.value = self._local.run(call.method, call.args)
+        except Exception as exc:
+            call.error = exc
+        finally:
+            call.done = True
+            call.args = ()
+
+    def _wait_remote(self, handles: list[Any], timeout: float) -> list[Any]:
+        handles = [h for h in handles if type(h) is not _LocalCall]
+        ready = [h for h in handles if h.done]
+        if ready:
+            return ready
         deadline = time.monotonic() + timeout
         while True:
             workers = {id(h.worker): h.worker for h in handles if not h.done}
@@ -391,8 +441,8 @@ class ProcessTransport(Transport):
         handle.cancelled = True
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every worker; the values, in worker order."""
-        handles = [self.call(index, method, *args) for index in range(self.workers)]
+        """``method(*args)`` on every worker process; the values, in worker order."""
+        handles = [self.call(index, method, *args) for index in range(self._remote)]
         while not all(h.done for h in handles):
             self.wait([h for h in handles if not h.done], 1.0)
         return [self.get(h) for h in handles]
@@ -400,7 +450,11 @@ class ProcessTransport(Transport):
     def release(self, call_id: str, workers: list[int] | None = None) -> None:
         # The answers are read (and dropped) by the next wait on each worker.
         for index in range(self.workers) if workers is None else workers:
-            if self._workers[index].alive:
+            if index == self._remote:
+                assert self._local is not None
+                with self._local.lock:
+                    self._local.release(call_id)
+            elif self._workers[index].alive:
                 self.call(index, "release", call_id).cancelled = True
 
 

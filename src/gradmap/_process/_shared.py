@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedRef", "Sharer", "WorkerStorages", "worker_storages"]
+__all__ = ["SharedRef", "Sharer", "WorkerStorages", "caller_storages", "worker_storages"]
 
 Tensor = torch.Tensor
 
@@ -105,6 +105,7 @@ class Sharer:
         key = (stat.st_dev, stat.st_ino)
         if key not in self._fds:
             self._fds[key] = (fd, size, weakref.finalize(storage, self._died, key))
+            caller_storages[key] = storage
         return SharedRef(
             storage, key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
         )
@@ -143,6 +144,9 @@ class WorkerStorages:
 
 worker_storages = WorkerStorages()
 
+#: The caller's shared storages, by key, for the chunks the caller runs itself (``_local.py``).
+caller_storages: weakref.WeakValueDictionary[tuple[int, int], Any] = weakref.WeakValueDictionary()
+
 
 def _rebuild(
     key: tuple[int, int],
@@ -151,5 +155,7 @@ def _rebuild(
     stride: tuple[int, ...],
     offset: int,
 ) -> Tensor:
-    storage = worker_storages.storages[key]
+    storage = worker_storages.storages.get(key)
+    if storage is None:  # in the caller: a chunk it runs itself
+        storage = caller_storages[key]
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)

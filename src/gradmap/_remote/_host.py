@@ -24,6 +24,7 @@ Methods (the work methods take a batch of consecutive chunks and answer per chun
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -46,11 +47,13 @@ Tensor = torch.Tensor
 LOST = "gradmap.lost"
 
 _in_worker = False
+_local = threading.local()
 
 
 def in_worker() -> bool:
-    """Whether this process is one of gradmap's workers (a Ray actor or a worker process)."""
-    return _in_worker
+    """Whether this process is one of gradmap's workers (a Ray actor or a worker process), or
+    this thread is running a chunk for one (``LocalHost``)."""
+    return _in_worker or getattr(_local, "active", False)
 
 
 class ShippedSeed(MapRandom):
@@ -172,11 +175,16 @@ class Host:
     #: The executor's name, for errors (``executor='ray'``).
     executor = "ray"
 
-    def __init__(self, threads: int) -> None:
-        global _in_worker
-        _in_worker = True
+    def __init__(self, threads: int, *, process: bool = True) -> None:
+        """``process``: this process is the worker (the intra-op threads are set once, and maps
+        inside ``f`` run here, serially); otherwise a thread of the caller runs chunks (see
+        ``LocalHost``)."""
+        if process:
+            global _in_worker
+            _in_worker = True
+            torch.set_num_threads(threads)
+        self._process = process
         self._threads = threads
-        torch.set_num_threads(threads)
         self._calls: dict[str, _CallState] = {}
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
@@ -414,7 +422,7 @@ class Host:
             self._calls.pop(call_id, None)
 
     def _check_threads(self) -> None:
-        if torch.get_num_threads() != self._threads:
+        if self._process and torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
 
 

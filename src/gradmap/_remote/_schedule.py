@@ -7,7 +7,9 @@ NOTE [a pass over the actors]:
     A call carries a batch of chunks, sized as in guided self-scheduling: the actor with room
     takes ``ceil(left / (GUIDED * actors))`` of the chunks left, so calls shrink to single chunks
     at the end, where they balance the actors' loads -- but at most twice as many as the actor
-    had before in the pass, so that its first call (one chunk) starts at once. An actor call
+    had before in the pass, so that its first call (one chunk) starts at once, and at most what
+    the transport allows for that actor (``Transport.most``: the caller, when it runs chunks
+    itself, takes one at a time, and answers the workers between two). An actor call
     costs the driver about half a millisecond and the actor about as much (measured with Ray
     2.60), and the chunk plan's ~64 chunks are often a few milliseconds of work each: one call
     per chunk would spend a large part of the pass on calls. Batching changes no result: every
@@ -94,6 +96,10 @@ class Transport:
         """What a call passes for a payload every chunk of a map shares (``f``)."""
         return payload
 
+    def most(self, worker: int) -> int | None:
+        """The most chunks one call to ``worker`` takes (``None``: as the pass decides)."""
+        return None
+
     def release(self, call_id: str, workers: list[int] | None = None) -> None:
         """Tell the workers (``None``: every worker) to forget a map (fire and forget)."""
 
@@ -177,11 +183,15 @@ def run_pass(
             free.append(job)
 
     sent = [0] * actors  # chunks sent to each actor in this pass
+    most = [transport.most(a) for a in range(actors)]
 
     def take(queue: deque[Job], share: int, actor: int) -> list[Job]:
         # Guided, but at most twice what the actor had so far: its first call starts at once
         # (the driver pickles a forward's items as it sends them).
         size = max(1, min(-(-len(queue) // (GUIDED * share)), 2 * sent[actor]))
+        limit = most[actor]
+        if limit is not None:
+            size = min(size, limit)
         batch = [queue.popleft()]
         # Consecutive chunks of one kind only (a batch is one call of one method).
         while len(batch) < size and queue and queue[0].recompute == batch[0].recompute:

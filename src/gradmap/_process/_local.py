@@ -1,0 +1,98 @@
+"""The caller as one more worker: chunks of a map run in the caller's own thread while it waits
+for the worker processes.
+
+NOTE [the caller works too]:
+    On a machine with few cores, a caller that only waits leaves one core to the workers'
+    bookkeeping and idle time: with two cores, the caller and two workers are three processes on
+    two cores, and the workers' chunks cost more (the pickling of items and results, the
+    boundary walk) than the loop's elements. So by default a map on ``workers`` runs ``workers - 1``
+    worker processes, and the caller's thread runs chunks itself, between its work for them.
+
+    The caller's chunks are run by the same host as the workers' (``_remote/_host.py``), from the
+    same payloads: ``f`` unpickled from its payload (its tensors are leaves over the same shared
+    storages, ``caller_storages``), items unpickled from theirs, the same results and gradients.
+    A chunk's results and gradients are therefore bitwise the same wherever it runs, and the
+    driver's sum in chunk order does not depend on which chunks the caller took.
+
+    A caller's chunk runs inside ``ProcessTransport.wait``, when no worker has an answer ready:
+    the workers are sent their next calls first (each has up to two in flight), so they are
+    rarely idle while the caller runs one. While it runs, the caller's thread is a worker's:
+    - one intra-op thread, as the workers have (set, and set back after: a thread that starts
+      its first parallel op in that instant would take one intra-op thread for its life);
+    - the global generator is seeded per element as in a worker, and set back after, so the
+      caller's random numbers continue as if the map had run elsewhere;
+    - a map inside ``f`` runs serially, as in a worker (``in_worker``);
+    - one lock per process: maps called from several threads at once take turns on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .._engine import _worker as _engine_worker
+from .._remote import _host
+from .._remote._host import Host
+from .._remote._pickling import LeafTable, loads
+from .._torch._random import SEEDING
+from ._worker import PAYLOADS_KEPT
+
+__all__ = ["LocalHost", "local_host"]
+
+
+class LocalHost(Host):
+    """The host of the caller's own chunks (one per process)."""
+
+    executor = "processes"
+
+    def __init__(self) -> None:
+        super().__init__(1, process=False)
+        self._functions: OrderedDict[bytes, tuple[Any, LeafTable]] = OrderedDict()
+        self.lock = threading.RLock()
+
+    def load_f(self, box: Any) -> tuple[Any, LeafTable]:
+        entry = self._functions.get(box.digest)
+        if entry is None:
+            leaves = LeafTable()
+            entry = self._functions[box.digest] = (loads(box.payload, leaves), leaves)
+            while len(self._functions) > PAYLOADS_KEPT:
+                self._functions.popitem(last=False)
+        else:
+            self._functions.move_to_end(box.digest)
+        f, leaves = entry
+        return f, leaves.copy()
+
+    def run(self, method: str, args: tuple[Any, ...]) -> Any:
+        """``method(*args)`` in this thread, as a worker would run it."""
+        with self.lock, SEEDING:
+            generator = torch.default_generator
+            state = generator.get_state()
+            threads = torch.get_num_threads()
+            if threads != 1:
+                torch.set_num_threads(1)
+            was_host = getattr(_host._local, "active", False)
+            was_engine = getattr(_engine_worker, "active", False)
+            _host._local.active = _engine_worker.active = True
+            try:
+                return getattr(self, method)(*args)
+            finally:
+                _host._local.active, _engine_worker.active = was_host, was_engine
+                if threads != 1:
+                    torch.set_num_threads(threads)
+                generator.set_state(state)
+
+
+_host_of_process: LocalHost | None = None
+_lock = threading.Lock()
+
+
+def local_host() -> LocalHost:
+    """This process's host of the caller's chunks."""
+    global _host_of_process
+    with _lock:
+        if _host_of_process is None:
+            _host_of_process = LocalHost()
+        return _host_of_process
