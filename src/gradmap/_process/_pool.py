@@ -312,6 +312,9 @@ class ProcessTransport(Transport):
         self._workers = pool.ensure(count)
         pool.forget_dead()
 
+    def local(self, worker: int) -> bool:
+        return worker == self._remote
+
     def most(self, worker: int) -> int | None:
         # The caller runs one chunk at a time: between two, it answers the workers.
         return 1 if worker == self._remote else None

@@ -37,7 +37,7 @@ from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_b
 from .._torch._graph import Known
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
-from ._pickling import LeafTable, dumps_results, loads
+from ._pickling import AsIs, LeafTable, dumps_results, loads
 
 __all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "draw_base", "in_worker"]
 
@@ -235,7 +235,7 @@ class Host:
 
     def _forward(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
         spec = state.spec
-        local = cast(list, loads(items, state.leaves))
+        local = _arguments(items, state.leaves)
         indices = range(start, start + len(local))
         if not spec.graph:
             with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
@@ -246,7 +246,9 @@ class Host:
                     except BaseException as exc:
                         add_note(exc, element_note(i, spec.n, "forward", state.api))
                         raise
-            return dumps_results((results, None, [], False))
+            if not self._process:  # as pickling would: no leaf of this host reaches the caller
+                results = [_detached_all(y) for y in results]
+            return self._out((results, None, [], False))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
         if spec.remat:
@@ -254,7 +256,7 @@ class Host:
         pids = _pids(state, record)
         if not spec.remat:
             state.chunks[k] = _Kept(record, pids)
-        return dumps_results(
+        return self._out(
             (
                 [_detached_tree(el) for el in record.elements],
                 [el.diff for el in record.elements],
@@ -287,12 +289,12 @@ class Host:
                     out.append(LOST)
                     continue
                 self._check_threads()
-                cots = tuple(loads(cotangents, state.leaves))
+                cots = tuple(_arguments(cotangents, state.leaves))
                 with backward_state.enter(False), _default_dtype(state.spec.default_dtype):
                     grads = _pull_back(kept.chunk, cots, state)
                 if not keep:
                     del state.chunks[k]
-                out.append(dumps_results(_by_pid(kept.pids, grads)))
+                out.append(self._out(_by_pid(kept.pids, grads)))
         finally:
             if state is not None:
                 self._drop_if_empty(call_id, state)
@@ -321,7 +323,7 @@ class Host:
         spec = state.spec
         if not spec.graph or spec.remat:
             return self._forward(state, k, start, items)
-        local = cast(list, loads(items, state.leaves))
+        local = _arguments(items, state.leaves)
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
             losses = bool(record.outputs) and all(
@@ -342,7 +344,7 @@ class Host:
                     )
         if not losses:
             state.chunks[k] = _Kept(record, _pids(state, record))
-            return dumps_results(
+            return self._out(
                 (
                     [_detached_tree(el) for el in record.elements],
                     [el.diff for el in record.elements],
@@ -355,7 +357,7 @@ class Host:
         total = values[0]
         for value in values[1:]:
             total = total + value
-        return dumps_results(("sum", total, _by_pid(pids, grads), state.seed.drawn))
+        return self._out(("sum", total, _by_pid(pids, grads), state.seed.drawn))
 
     def recompute(
         self,
@@ -396,8 +398,8 @@ class Host:
         backward_state: ThreadState,
     ) -> bytes:
         spec = state.spec
-        local = cast(list, loads(items, state.leaves))
-        cots = loads(cotangents, state.leaves)
+        local = _arguments(items, state.leaves)
+        cots = _arguments(cotangents, state.leaves)
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             fresh = _run(state, start, local)
         pids = _pids(state, fresh)
@@ -413,7 +415,12 @@ class Host:
         )
         with backward_state.enter(False), _default_dtype(spec.default_dtype):
             grads = _pull_back(fresh, aligned, state)
-        return dumps_results(_by_pid(pids, grads))
+        return self._out(_by_pid(pids, grads))
+
+    def _out(self, value: Any) -> Any:
+        """What a work method answers for a chunk: pickled in a worker process; as it is in the
+        caller's own host (``_process/_local.py``), which the driver reads in place."""
+        return dumps_results(value) if self._process else value
 
     def _drop_if_empty(self, call_id: str, state: _CallState) -> None:
         # A call's state lives only while this actor holds a chunk of it: the driver sends a
@@ -424,6 +431,14 @@ class Host:
     def _check_threads(self) -> None:
         if self._process and torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
+
+
+def _arguments(payload: Any, leaves: LeafTable) -> Any:
+    """A chunk's items or cotangents: unpickled, or as they are (``AsIs``: cotangents for the
+    caller's own host)."""
+    if type(payload) is AsIs:
+        return payload.value
+    return loads(payload, leaves)
 
 
 def _run(state: _CallState, start: int, local: list[Any]) -> ChunkRecord:
@@ -470,6 +485,18 @@ def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
             )
         pids.append(pid)
     return pids
+
+
+def _detached_all(tree: Any) -> Any:
+    """``tree`` with every tensor that requires grad detached."""
+    from .._tree import flatten, unflatten
+
+    leaves, spec = flatten(tree)
+    if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
+        return tree
+    return unflatten(
+        [t.detach() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves], spec
+    )
 
 
 def _detached_tree(el: Any) -> Any:

@@ -70,7 +70,7 @@ from .._torch._rule import map_torch, sum_results
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker
-from ._pickling import TensorTable, dumps, dumps_results, loads_results
+from ._pickling import AsIs, TensorTable, dumps, dumps_results, loads_results
 from ._schedule import Job, Transport, run_pass
 
 __all__ = ["map_remote"]
@@ -113,6 +113,7 @@ class _Call:
         self.remat = remat
         self.progress = progress
         self.box = transport.box(f_payload)
+        self.elements: list[tuple[Any, ...]] = []
         self.items: list[bytes | None] = [None] * plan.count
         self.owners = [-1] * plan.count
         self.diff: list[list[list[int]]] = [[] for _ in range(plan.count)]
@@ -147,6 +148,17 @@ class _Call:
         start, stop = self.plan.bounds(k)
         return f"the chunk of elements {start}..{stop - 1} (of {self.plan.n})"
 
+    def items_for(self, k: int, worker: int) -> Any:
+        """Chunk ``k``'s items for a call to ``worker``: pickled, for the caller's own host too
+        (``f`` runs on copies of the items wherever its chunk runs, never on some of the
+        caller's own objects and copies of others)."""
+        return self.pack_items(self.elements, k)
+
+    def cotangents_for(self, cotangents: list[Any], worker: int) -> Any:
+        if self.transport.local(worker):
+            return AsIs(cotangents)
+        return dumps_results(cotangents)
+
     def pack_items(self, elements: list[tuple[Any, ...]], k: int) -> bytes:
         payload = self.items[k]
         if payload is None:
@@ -168,10 +180,10 @@ class _Call:
         drawn = False
         bar = open_progress(self.progress, "forward", plan.n)
 
+        self.elements = elements
+
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
-            chunks = [
-                (j.chunk, plan.bounds(j.chunk)[0], self.pack_items(elements, j.chunk)) for j in jobs
-            ]
+            chunks = [(j.chunk, plan.bounds(j.chunk)[0], self.items_for(j.chunk, a)) for j in jobs]
             return self.transport.call(a, method, self.id, self.box, self.spec, chunks)
 
         def on_result(k: int, a: int, value: bytes) -> None:
@@ -208,7 +220,7 @@ class _Call:
         """Pull every chunk back; the gradient of each join input (``None`` where none came)."""
         plan = self.plan
         state = ThreadState(grad_enabled=False)
-        payloads: dict[int, bytes] = {}
+        payloads: dict[int, list[Any]] = {}
         per_chunk: dict[int, list[tuple[int, Tensor]]] = {}
         jobs = []
         for k, (lo, hi) in enumerate(self.bounds):
@@ -218,22 +230,26 @@ class _Call:
                 if c is not None:
                     per_chunk[k] = [(pid, g * c) for pid, g in early]
             elif any(g is not None for g in cotangents[lo:hi]):
-                payloads[k] = dumps_results(list(cotangents[lo:hi]))
+                payloads[k] = list(cotangents[lo:hi])
                 jobs.append(Job(k, None if self.remat else self.owners[k], recompute=self.remat))
         bar = open_progress(self.progress, "backward", plan.n)
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
             if recompute:
                 chunks = [
-                    (plan.bounds(k)[0], self.items[k], self.diff[k], payloads[k])
+                    (
+                        plan.bounds(k)[0],
+                        self.items_for(k, a),
+                        self.diff[k],
+                        self.cotangents_for(payloads[k], a),
+                    )
                     for k in (j.chunk for j in jobs)
                 ]
                 return self.transport.call(
                     a, "recompute", self.id, self.box, self.spec, chunks, state
                 )
-            return self.transport.call(
-                a, "backward", self.id, [(j.chunk, payloads[j.chunk]) for j in jobs], state, keep
-            )
+            pairs = [(j.chunk, self.cotangents_for(payloads[j.chunk], a)) for j in jobs]
+            return self.transport.call(a, "backward", self.id, pairs, state, keep)
 
         def on_result(k: int, a: int, value: bytes) -> None:
             per_chunk[k] = loads_results(value)

@@ -54,6 +54,7 @@ from torch import nn
 Tensor = torch.Tensor
 
 __all__ = [
+    "AsIs",
     "LeafTable",
     "Share",
     "TensorTable",
@@ -335,6 +336,15 @@ def dumps_results(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def loads_results(data: bytes) -> Any:
-    """Unpickle what [`dumps_results`][] made."""
-    return pickle.loads(data)
+def loads_results(data: Any) -> Any:
+    """Unpickle what [`dumps_results`][] made (the caller's own host answers unpickled)."""
+    return pickle.loads(data) if isinstance(data, bytes) else data
+
+
+class AsIs:
+    """Arguments handed to the caller's own host as they are, not pickled: cotangents."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value

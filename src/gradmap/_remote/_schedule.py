@@ -96,6 +96,10 @@ class Transport:
         """What a call passes for a payload every chunk of a map shares (``f``)."""
         return payload
 
+    def local(self, worker: int) -> bool:
+        """Whether ``worker`` is the caller's own host (its arguments need no pickling)."""
+        return False
+
     def most(self, worker: int) -> int | None:
         """The most chunks one call to ``worker`` takes (``None``: as the pass decides)."""
         return None
