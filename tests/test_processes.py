@@ -174,6 +174,31 @@ def test_the_caller_runs_chunks_as_a_worker_would(ex):
     assert torch.equal(torch.get_rng_state(), after)
 
 
+def test_a_tiny_map_runs_in_the_caller_alone(ex):
+    # Measured: once a map of f is known to take the caller under a millisecond, the next sends
+    # nothing to the workers; an f whose elements grow goes back to them.
+    if not ex.caller_helps:
+        pytest.skip("the caller does not run chunks")
+    me = os.getpid()
+
+    def where(i: int, wait: float) -> int:
+        if wait:
+            time.sleep(wait)
+        return os.getpid()
+
+    calls = [set(gradmap.tmap(where, range(4), [0.0] * 4, executor=ex, chunksize=1))]
+    while calls[-1] != {me} and len(calls) < 5:  # the first calls unpickle f in the workers
+        calls.append(set(gradmap.tmap(where, range(4), [0.0] * 4, executor=ex, chunksize=1)))
+    assert calls[-1] == {me}, calls
+    assert set(gradmap.tmap(where, range(4), [0.0] * 4, executor=ex, chunksize=1)) == {me}
+    gradmap.tmap(where, range(4), [0.005] * 4, executor=ex, chunksize=1)  # measured: 20 ms
+    for _ in range(20):  # the workers take some (not always at once: the caller may be quick)
+        if set(gradmap.tmap(where, range(8), [0.005] * 8, executor=ex, chunksize=1)) - {me}:
+            break
+    else:
+        raise AssertionError("a map of 40 ms never reached the workers")
+
+
 def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
     s = _Setup()
     ref_ys = _loop(s.f(), s.xs)

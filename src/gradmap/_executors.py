@@ -218,8 +218,9 @@ class RemoteExecutor(Executor):
             "gradmap._remote, not on helper threads"
         )
 
-    def transport(self) -> object:
-        """The transport to the workers a map uses, starting them if needed."""
+    def transport(self, f: object = None, api: str = "", n: int = 0) -> object:
+        """The transport to the workers a map of ``f`` (``api``, ``n`` elements) uses, starting
+        them if needed."""
         raise NotImplementedError
 
 

@@ -80,12 +80,16 @@ class ProcessExecutor(RemoteExecutor):
     def share(self) -> Any:  # type: ignore[override]
         return self._pool().sharer
 
-    def transport(self) -> Any:
-        from ._local import local_host
+    def transport(self, f: Any = None, api: str = "", n: int = 0) -> Any:
+        """The transport of a map of ``f`` over ``n`` elements: the caller alone for a map known
+        to be tiny (NOTE [the caller works too])."""
+        from ._local import local_host, tiny
         from ._pool import ProcessTransport
 
-        local = local_host() if self.caller_helps else None
-        return ProcessTransport(self._pool(), self.processes, local)
+        if not self.caller_helps:
+            return ProcessTransport(self._pool(), self.processes)
+        count = 0 if f is not None and tiny(f, api, n) else self.processes
+        return ProcessTransport(self._pool(), count, local_host())
 
     def worker_pids(self) -> list[int]:
         """The process id of each worker process a map uses (starting them if needed)."""

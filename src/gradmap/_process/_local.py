@@ -23,6 +23,12 @@ NOTE [the caller works too]:
       caller's random numbers continue as if the map had run elsewhere;
     - a map inside ``f`` runs serially, as in a worker (``in_worker``);
     - one lock per process: maps called from several threads at once take turns on it.
+
+    A map so small that a worker's round trips would cost more than its work runs in the caller
+    alone: each map measures the caller's forward seconds per element of ``f`` (told apart as in
+    NOTE [forward placement]), and the next map of that ``f`` whose forward would take the caller
+    under ``TINY`` seconds sends nothing to the workers. It goes on measuring, so a map whose
+    elements grow goes back to the workers at its next call.
 """
 
 from __future__ import annotations
@@ -34,13 +40,34 @@ from typing import Any
 import torch
 
 from .._engine import _worker as _engine_worker
+from .._placement import _key
 from .._remote import _host
 from .._remote._host import Host
 from .._remote._pickling import LeafTable, loads
 from .._torch._random import SEEDING
 from ._worker import PAYLOADS_KEPT
 
-__all__ = ["LocalHost", "local_host"]
+__all__ = ["TINY", "LocalHost", "learn", "local_host", "tiny"]
+
+#: Seconds of forward work under which a map runs in the caller alone (two round trips to a
+#: worker, forward and backward, cost about half a millisecond on an idle machine).
+TINY = 1e-3
+
+_seconds: dict[Any, float] = {}  # the caller's forward seconds per element, by (f, api)
+_MAX_HISTORY = 1024
+
+
+def tiny(f: Any, api: str, n: int) -> bool:
+    """Whether a map of ``f`` over ``n`` elements is known to be too small for the workers."""
+    seconds = _seconds.get((_key(f), api))
+    return seconds is not None and seconds * n < TINY
+
+
+def learn(f: Any, api: str, seconds_per_element: float) -> None:
+    """Record a map's measured forward seconds per element in the caller."""
+    if len(_seconds) >= _MAX_HISTORY:
+        _seconds.clear()
+    _seconds[_key(f), api] = seconds_per_element
 
 
 class LocalHost(Host):

@@ -44,21 +44,25 @@ from typing import Any
 from .._errors import add_note
 from .._remote._pickling import Payload
 from .._remote._schedule import Transport, WorkerLost
-from ._local import LocalHost
+from ._local import LocalHost, learn
 from ._shared import Sharer
 from ._worker import FDS_PER_MESSAGE, PAYLOADS_KEPT
 
 __all__ = ["Pool", "ProcessTransport", "get_pool", "shutdown_pools"]
 
 _COMMAND = "from gradmap._process._worker import main; main()"
+
+#: Work methods whose answers end with the seconds the worker spent on them (``ProcessHost``).
+_TIMED = ("forward", "forward_sum")
 _SOCKET_BUFFER = 4 << 20  # bytes: a chunk's items in one write, where the kernel allows it
 
 
 class _Call:
-    __slots__ = ("cancelled", "done", "error", "lost", "value", "worker")
+    __slots__ = ("cancelled", "done", "error", "lost", "timed", "value", "worker")
 
-    def __init__(self, worker: _Worker) -> None:
+    def __init__(self, worker: _Worker, timed: bool = False) -> None:
         self.worker = worker
+        self.timed = timed  # the answer ends with the seconds the worker took (a forward)
         self.done = self.lost = self.cancelled = False
         self.value: Any = None
         self.error: BaseException | None = None
@@ -309,6 +313,8 @@ class ProcessTransport(Transport):
         self.pool = pool
         self._remote = count
         self._local = local
+        self.seconds = 0.0  # the forward calls' seconds of work (any worker's), and chunks
+        self.timed_chunks = 0
         self._workers = pool.ensure(count)
         pool.forget_dead()
 
@@ -316,8 +322,8 @@ class ProcessTransport(Transport):
         return worker == self._remote
 
     def most(self, worker: int) -> int | None:
-        # The caller runs one chunk at a time: between two, it answers the workers.
-        return 1 if worker == self._remote else None
+        # The caller runs one chunk at a time: between two, it answers the workers (if any).
+        return 1 if worker == self._remote and self._remote else None
 
     def _worker(self, index: int) -> _Worker:
         w = self._workers[index]
@@ -332,7 +338,7 @@ class ProcessTransport(Transport):
         if worker == self._remote:
             return _LocalCall(method, args)  # run by ``wait``, when no worker has an answer
         w = self._worker(worker)
-        call = _Call(w)
+        call = _Call(w, method in _TIMED)
         if not w.alive:
             call.lost = call.done = True
             return call
@@ -403,6 +409,7 @@ class ProcessTransport(Transport):
 
     def _run_local(self, call: _LocalCall) -> None:
         assert self._local is not None
+        start = time.perf_counter()
         try:
             if not call.cancelled:
                 call.value = self._local.run(call.method, call.args)
@@ -410,7 +417,15 @@ class ProcessTransport(Transport):
             call.error = exc
         finally:
             call.done = True
+            if call.method in _TIMED and call.error is None:
+                self.seconds += time.perf_counter() - start
+                self.timed_chunks += len(call.args[3])  # (call_id, box, spec, chunks)
             call.args = ()
+
+    def learn(self, f: Any, api: str, chunks: int, elements: int) -> None:
+        if self._local is not None and self.timed_chunks:
+            seconds = self.seconds / self.timed_chunks * chunks / max(1, elements)
+            learn(f, api, seconds)
 
     def _wait_remote(self, handles: list[Any], timeout: float) -> list[Any]:
         handles = [h for h in handles if type(h) is not _LocalCall]
@@ -438,6 +453,11 @@ class ProcessTransport(Transport):
             )
         if call.error is not None:
             raise call.error
+        if getattr(call, "timed", False):
+            *values, seconds = call.value
+            self.seconds += seconds
+            self.timed_chunks += len(values)
+            return values
         return call.value
 
     def cancel(self, handle: Any) -> None:

@@ -84,7 +84,7 @@ class RayExecutor(RemoteExecutor):
 
     # -- the actors ------------------------------------------------------------------------
 
-    def transport(self) -> Any:
+    def transport(self, f: Any = None, api: str = "", n: int = 0) -> Any:
         """Calls to the actors a map uses (connecting to Ray and starting the pool if needed)."""
         from ._transport import RayTransport
 

@@ -330,7 +330,7 @@ def map_remote(
         # map inside f, on a worker: this process is one worker with its CPUs, so it runs here.
         results = map_torch(f, elements, SerialExecutor(), plan, remat=remat, progress=progress)
         return sum_results(results) if summed else results
-    transport: Transport = executor.transport()  # type: ignore[assignment]
+    transport: Transport = executor.transport(f, api, plan.n)  # type: ignore[assignment]
     graph = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     spec = CallSpec(
         n=plan.n,
@@ -359,6 +359,7 @@ def map_remote(
     except BaseException:
         call.release_all()
         raise
+    transport.learn(f, api, plan.count, plan.n)
     if not graph:
         call.release()
         results = [y for trees, _ in per_chunk for y in trees]

@@ -96,6 +96,10 @@ class Transport:
         """What a call passes for a payload every chunk of a map shares (``f``)."""
         return payload
 
+    def learn(self, f: Any, api: str, chunks: int, elements: int) -> None:
+        """After a forward pass of ``chunks`` chunks of ``elements`` elements: what the transport
+        measured of ``f``, for the next map to use."""
+
     def local(self, worker: int) -> bool:
         """Whether ``worker`` is the caller's own host (its arguments need no pickling)."""
         return False
