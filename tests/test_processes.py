@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import gradmap
+from gradmap._process import _local
 
 import support
 from support import Boom, Killer, SlowBackward, deadline, mark, notes
@@ -38,11 +39,15 @@ def ex(request: Any) -> Iterator[Any]:
     # Two worker processes either way; with the caller running chunks too (the default).
     helps = request.param
     executor = gradmap.ProcessExecutor(workers=3 if helps else 2, caller_helps=helps, timeout=120)
+    # Maps of a few elements would run in the caller alone once measured; these tests need the
+    # workers (``test_a_tiny_map_runs_in_the_caller_alone`` turns the rule back on).
+    tiny, _local.TINY = _local.TINY, 0.0
     try:
         yield executor
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         cloudpickle.unregister_pickle_by_value(support)
+        _local.TINY = tiny
         executor.shutdown()
 
 
@@ -174,11 +179,12 @@ def test_the_caller_runs_chunks_as_a_worker_would(ex):
     assert torch.equal(torch.get_rng_state(), after)
 
 
-def test_a_tiny_map_runs_in_the_caller_alone(ex):
+def test_a_tiny_map_runs_in_the_caller_alone(ex, monkeypatch):
     # Measured: once a map of f is known to take the caller under a millisecond, the next sends
     # nothing to the workers; an f whose elements grow goes back to them.
     if not ex.caller_helps:
         pytest.skip("the caller does not run chunks")
+    monkeypatch.setattr(_local, "TINY", 1e-3)
     me = os.getpid()
 
     def where(i: int, wait: float) -> int:
@@ -197,6 +203,30 @@ def test_a_tiny_map_runs_in_the_caller_alone(ex):
             break
     else:
         raise AssertionError("a map of 40 ms never reached the workers")
+
+
+def test_maps_from_two_threads_at_once(ex):
+    # Two callers share the workers (and the caller's host, which they take in turns).
+    s = _Setup()
+    ref, ref_y = s.grads(_loop)
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            for _ in range(3):
+                got, got_y = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor=ex, chunksize=2))
+                _close(got, ref)
+                _close(got_y, ref_y)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
@@ -964,7 +994,9 @@ def test_executor_name_processes(ex):
     _close(got, ref)
     total = gradmap.tsum(s.f(), s.xs, executor="processes", chunksize=2)
     torch.testing.assert_close(total, _loop_sum(s.f(), s.xs))
-    pids = set(gradmap.tmap(lambda i: os.getpid(), range(4), executor="processes", chunksize=1))
+    # Not a tiny map (which would run in the caller alone): 5 ms per element.
+    where = lambda i: (time.sleep(0.005), os.getpid())[1]  # noqa: E731
+    pids = set(gradmap.tmap(where, range(4), executor="processes", chunksize=1))
     assert pids - {os.getpid()}  # a worker process ran some (the caller may run others)
     _SEEN_PIDS.update(pids - {os.getpid()})
 

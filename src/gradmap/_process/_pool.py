@@ -203,6 +203,20 @@ class _Worker:
                 return f"killed by signal {-code}"
         return f"exit code {code}"
 
+    def read_ready(self) -> None:
+        """Read one answer if one is there: maps called from several threads wait on the same
+        workers, and only one thread may read a socket at a time (another thread may have
+        taken the answer that woke this one)."""
+        with self.lock:
+            if not self.alive:
+                return
+            try:
+                ready = self.conn.poll(0)
+            except (EOFError, OSError):
+                ready = True  # read_one notices the death
+            if ready:
+                self.read_one()
+
     def read_one(self) -> None:
         """Read one answer and give it to the oldest call in flight."""
         try:
@@ -440,7 +454,7 @@ class ProcessTransport(Transport):
                 return [h for h in handles if h.done]
             left = max(0.0, deadline - time.monotonic())
             for conn in wait(list(conns), timeout=left):
-                conns[conn].read_one()  # type: ignore[index]
+                conns[conn].read_ready()  # type: ignore[index]
             ready = [h for h in handles if h.done]
             if ready or time.monotonic() >= deadline:
                 return ready
