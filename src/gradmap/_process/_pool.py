@@ -12,9 +12,11 @@ NOTE [worker processes]:
 
     Calls to one worker are answered in order, so the caller keeps, per worker, a queue of the
     calls in flight; a wait reads one answer from each worker that has one (``wait`` on the
-    sockets) and hands it to the oldest call of that worker. A call the caller gave up on
-    (cancelled by an interrupt or an error) stays in the queue until its answer comes, which is
-    then dropped: a late answer is never taken for another call's.
+    sockets) and hands it to the oldest call of that worker, whichever map it belongs to: maps
+    called from several threads share the workers, and one thread at a time reads a worker's
+    socket (under the worker's lock, and only if an answer is still there). A call the caller
+    gave up on (cancelled by an interrupt or an error) stays in the queue until its answer
+    comes, which is then dropped: a late answer is never taken for another call's.
 
     A worker that dies (killed, out of memory, a crash in native code) closes its socket: every
     call it had in flight ends with ``WorkerLost``, the pass runs those chunks again elsewhere
