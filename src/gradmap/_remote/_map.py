@@ -148,18 +148,15 @@ class _Call:
         start, stop = self.plan.bounds(k)
         return f"the chunk of elements {start}..{stop - 1} (of {self.plan.n})"
 
-    def items_for(self, k: int, worker: int) -> Any:
-        """Chunk ``k``'s items for a call to ``worker``: pickled, for the caller's own host too
-        (``f`` runs on copies of the items wherever its chunk runs, never on some of the
-        caller's own objects and copies of others)."""
-        return self.pack_items(self.elements, k)
-
     def cotangents_for(self, cotangents: list[Any], worker: int) -> Any:
         if self.transport.local(worker):
             return AsIs(cotangents)
         return dumps_results(cotangents)
 
-    def pack_items(self, elements: list[tuple[Any, ...]], k: int) -> bytes:
+    def pack_items(self, k: int) -> bytes:
+        """Chunk ``k``'s items, pickled once (for the caller's own host too: ``f`` runs on
+        copies of the items wherever its chunk runs)."""
+        elements = self.elements
         payload = self.items[k]
         if payload is None:
             start, stop = self.plan.bounds(k)
@@ -179,11 +176,10 @@ class _Call:
         used: set[int] = set()
         drawn = False
         bar = open_progress(self.progress, "forward", plan.n)
-
         self.elements = elements
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
-            chunks = [(j.chunk, plan.bounds(j.chunk)[0], self.items_for(j.chunk, a)) for j in jobs]
+            chunks = [(j.chunk, plan.bounds(j.chunk)[0], self.pack_items(j.chunk)) for j in jobs]
             return self.transport.call(a, method, self.id, self.box, self.spec, chunks)
 
         def on_result(k: int, a: int, value: bytes) -> None:
@@ -239,7 +235,7 @@ class _Call:
                 chunks = [
                     (
                         plan.bounds(k)[0],
-                        self.items_for(k, a),
+                        self.pack_items(k),
                         self.diff[k],
                         self.cotangents_for(payloads[k], a),
                     )
