@@ -221,3 +221,17 @@ def test_workload_shapes_follow_their_description():
         assert _count_nodes(sample.shape) == 2 * len(sample.leaves) - 1
     ode = NeuralODE.make(0, 64)
     assert all(10 <= sample.steps <= 60 for sample in ode.items)
+
+
+def test_demo_runs_every_variant_and_says_which_to_use(capsys):
+    # The README's first command: the loop, and tsum and tmap on threads and on processes, with
+    # gradients that match the loop's (the exit status says so) and a line naming what to use.
+    from gradmap._demo import main as demo
+
+    assert demo(["--bags", "12", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("loop (1 thread)", "tsum processes", "tmap processes"):
+        assert name in out
+    assert out.count("max |grad(") == 4
+    use = [line for line in out.splitlines() if line.startswith("use here: ")]
+    assert len(use) == 1 and ("gradmap.t" in use[0] or "the plain loop" in use[0])
