@@ -8,14 +8,16 @@ each variant's gradient can be checked against the plain loop's.
 - ``tmap``: ``gradmap.tmap(f, items)`` on the shared thread pool.
 - ``tsum``: ``gradmap.tsum(f, items)``: the sum of the losses, each chunk pulled back as soon as its
   forward ends.
-- ``tmap-proc``: ``gradmap.tmap(f, items, executor="processes")``: worker processes.
+- ``tmap-proc``: ``gradmap.tmap(f, items, executor="processes")``: worker processes, and the
+  caller running chunks too (``workers - 1`` processes).
 - ``tsum-proc``: ``gradmap.tsum(f, items, executor="processes")``: each chunk's forward and
-  backward in one call to a worker process.
+  backward in one call, in a worker process or the caller.
 - ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads).
 - ``remat``: ``gradmap.tmap(f, items, remat=True)``: no graph kept; the backward recomputes.
 - ``vmap``: ``torch.func.vmap`` over a padded and masked batch (bags only).
 - ``tmap:W`` and ``tmap-proc:W``: ``tmap`` with ``workers=W`` on threads and on processes (the
-  workers sweep behind ``--plot``).
+  workers sweep behind ``--plot``; on processes ``W`` counts the caller, so ``W=1`` is one
+  process and ``W=2`` one process and the caller).
 """
 
 from __future__ import annotations
