@@ -23,6 +23,10 @@ NOTE [the caller works too]:
       caller's random numbers continue as if the map had run elsewhere;
     - a map inside ``f`` runs serially, as in a worker (``in_worker``);
     - one lock per process: maps called from several threads at once take turns on it.
+    One difference remains: an ``f`` that cloudpickle sends by reference (a function of an
+    importable module) runs in the caller with the caller's own module globals, and in a worker
+    with the worker's copy; state that ``f`` keeps in its module should not be counted on with
+    processes (tensors that require grad there are refused either way, ``ForeignTensorError``).
 
     A map so small that a worker's round trips would cost more than its work runs in the caller
     alone: each map measures the caller's forward seconds per element of ``f`` (told apart as in
