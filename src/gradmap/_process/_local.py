@@ -38,7 +38,6 @@ NOTE [the caller works too]:
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from .._engine import _worker as _engine_worker
 from .._placement import _key
 from .._remote import _host
 from .._remote._host import Host
-from .._remote._pickling import LeafTable, loads
+from .._remote._pickling import LeafTable
 from .._torch._random import SEEDING
 from ._worker import PAYLOADS_KEPT
 
@@ -81,20 +80,10 @@ class LocalHost(Host):
 
     def __init__(self) -> None:
         super().__init__(1, process=False)
-        self._functions: OrderedDict[bytes, tuple[Any, LeafTable]] = OrderedDict()
         self.lock = threading.RLock()
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
-        entry = self._functions.get(box.digest)
-        if entry is None:
-            leaves = LeafTable()
-            entry = self._functions[box.digest] = (loads(box.payload, leaves), leaves)
-            while len(self._functions) > PAYLOADS_KEPT:
-                self._functions.popitem(last=False)
-        else:
-            self._functions.move_to_end(box.digest)
-        f, leaves = entry
-        return f, leaves.copy()
+        return self._kept_function(box.digest, lambda: box.payload, PAYLOADS_KEPT)
 
     def run(self, method: str, args: tuple[Any, ...]) -> Any:
         """``method(*args)`` in this thread, as a worker would run it."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._errors import add_note
 from .._remote._host import Host
-from .._remote._pickling import LeafTable, loads
+from .._remote._pickling import LeafTable
 from .._remote._schedule import Transport, WorkerLost
 
 __all__ = ["PutCache", "RayHost", "RayTransport"]
@@ -28,10 +28,6 @@ class RayHost(Host):
 
     executor = "ray"
 
-    def __init__(self, threads: int) -> None:
-        super().__init__(threads)
-        self._functions: OrderedDict[bytes, tuple[Any, LeafTable]] = OrderedDict()
-
     def run(self, method: str, blob: bytes, refs: list[Any]) -> Any:
         """``method(*args)`` with the arguments pickled in one ``blob`` (Ray serializes each
         argument of a call on its own, at a cost per argument), and the object references in
@@ -43,16 +39,7 @@ class RayHost(Host):
         import ray
 
         digest, refs = box
-        entry = self._functions.get(digest)
-        if entry is None:
-            leaves = LeafTable()
-            entry = self._functions[digest] = (loads(ray.get(refs[0]), leaves), leaves)
-            while len(self._functions) > PAYLOADS_KEPT:
-                self._functions.popitem(last=False)
-        else:
-            self._functions.move_to_end(digest)
-        f, leaves = entry
-        return f, leaves.copy()
+        return self._kept_function(digest, lambda: ray.get(refs[0]), PAYLOADS_KEPT)
 
 
 class PutCache:

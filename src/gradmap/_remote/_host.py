@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
@@ -186,10 +187,28 @@ class Host:
         self._process = process
         self._threads = threads
         self._calls: dict[str, _CallState] = {}
+        self._functions: OrderedDict[bytes, tuple[Any, LeafTable]] = OrderedDict()
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
         """``f`` unpickled from the payload ``box`` stands for, and the leaves it holds."""
         raise NotImplementedError
+
+    def _kept_function(
+        self, digest: bytes, payload: Callable[[], bytes], kept: int
+    ) -> tuple[Any, LeafTable]:
+        """``f`` unpickled from ``payload()`` the first time ``digest`` comes, and kept while it
+        is among the last ``kept`` digests; a copy of its leaf table for the call."""
+        functions = self._functions
+        entry = functions.get(digest)
+        if entry is None:
+            leaves = LeafTable()
+            entry = functions[digest] = (loads(payload(), leaves), leaves)
+            while len(functions) > kept:
+                functions.popitem(last=False)
+        else:
+            functions.move_to_end(digest)
+        f, leaves = entry
+        return f, leaves.copy()
 
     # -- small methods ---------------------------------------------------------------------
 
@@ -235,7 +254,7 @@ class Host:
 
     def _forward(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
         spec = state.spec
-        local = _arguments(items, state.leaves)
+        local = cast(list, loads(items, state.leaves))
         indices = range(start, start + len(local))
         if not spec.graph:
             with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
@@ -289,7 +308,7 @@ class Host:
                     out.append(LOST)
                     continue
                 self._check_threads()
-                cots = tuple(_arguments(cotangents, state.leaves))
+                cots = tuple(_cotangents(cotangents, state.leaves))
                 with backward_state.enter(False), _default_dtype(state.spec.default_dtype):
                     grads = _pull_back(kept.chunk, cots, state)
                 if not keep:
@@ -323,7 +342,7 @@ class Host:
         spec = state.spec
         if not spec.graph or spec.remat:
             return self._forward(state, k, start, items)
-        local = _arguments(items, state.leaves)
+        local = cast(list, loads(items, state.leaves))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
             losses = bool(record.outputs) and all(
@@ -398,8 +417,8 @@ class Host:
         backward_state: ThreadState,
     ) -> bytes:
         spec = state.spec
-        local = _arguments(items, state.leaves)
-        cots = _arguments(cotangents, state.leaves)
+        local = cast(list, loads(items, state.leaves))
+        cots = _cotangents(cotangents, state.leaves)
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             fresh = _run(state, start, local)
         pids = _pids(state, fresh)
@@ -433,9 +452,8 @@ class Host:
             torch.set_num_threads(self._threads)
 
 
-def _arguments(payload: Any, leaves: LeafTable) -> Any:
-    """A chunk's items or cotangents: unpickled, or as they are (``AsIs``: cotangents for the
-    caller's own host)."""
+def _cotangents(payload: Any, leaves: LeafTable) -> Any:
+    """A chunk's cotangents: unpickled, or as they are (``AsIs``: for the caller's own host)."""
     if type(payload) is AsIs:
         return payload.value
     return loads(payload, leaves)

@@ -101,7 +101,7 @@ class Transport:
         measured of ``f``, for the next map to use."""
 
     def local(self, worker: int) -> bool:
-        """Whether ``worker`` is the caller's own host (its arguments need no pickling)."""
+        """Whether ``worker`` is the caller's own host (cotangents go to it as they are)."""
         return False
 
     def most(self, worker: int) -> int | None:
