@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from support import EXECUTORS, SMALL_CHUNKS, executor_kwargs
+from support import EXECUTORS, SMALL_CHUNKS, executor_kwargs, native_walk, python_walk
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _native_walk_built() -> None:
+    """Build the native walk (about 25 s, once per machine) before any test's deadline runs."""
+    native_walk()
 
 
 @pytest.fixture(autouse=True)
@@ -22,3 +28,16 @@ def tmap_kwargs(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     small maps still have several chunks)."""
     with executor_kwargs(request.param) as (kwargs, _):
         yield {**kwargs, "chunksize": SMALL_CHUNKS[request.param]}
+
+
+@pytest.fixture(params=["native", "python"])
+def both_walks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Run the test with the native boundary walk and with the Python one (its fallback); a
+    module takes it with ``pytestmark = pytest.mark.usefixtures("both_walks")``."""
+    if request.param == "python":
+        with python_walk():
+            yield
+    elif not native_walk():
+        pytest.skip("the native walk cannot be built here")
+    else:
+        yield

@@ -284,3 +284,28 @@ class SlowBackward(torch.autograd.Function):
         if ctx.marker is not None and mark(ctx.marker):
             time.sleep(60)
         return g, None
+
+
+# -- the boundary walk ----------------------------------------------------------------------------
+
+
+def native_walk() -> bool:
+    """Whether maps read chunk boundaries with the native walk (else the Python walk, which
+    cannot find every tensor made before the call and says so)."""
+    from gradmap._torch._native import native
+
+    return native() is not None
+
+
+@contextlib.contextmanager
+def python_walk() -> Iterator[None]:
+    """Maps in this block read chunk boundaries with the Python walk (as where the native walk
+    cannot be built)."""
+    from gradmap._torch import _native
+
+    native = _native.native()
+    _native._module = None
+    try:
+        yield
+    finally:
+        _native._module = native

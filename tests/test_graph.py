@@ -10,6 +10,10 @@ from torch import Tensor
 
 import gradmap
 
+from support import native_walk
+
+pytestmark = pytest.mark.usefixtures("both_walks")
+
 F64 = torch.float64
 _HIDDEN: collections.deque[Tensor] = collections.deque()  # the scan of f does not look into it
 
@@ -63,6 +67,10 @@ def test_tensor_reachable_only_through_a_global_container(mapper):
 
     try:
         ref = _run(_loop, make)
+        if not native_walk():  # the Python walk cannot find it: it says so, never guesses
+            with pytest.raises(RuntimeError, match="Python walk cannot find it"):
+                _run(MAPPERS[mapper], make)
+            return
         got = _run(MAPPERS[mapper], make)
     finally:
         _HIDDEN.clear()
@@ -173,3 +181,133 @@ def test_tsum_runs_boundary_hooks_and_retained_grads_once_as_in_the_loop(workers
     assert got[0] == ref[0]
     torch.testing.assert_close(got[1], ref[1])
     torch.testing.assert_close(got[2], ref[2])
+
+
+# -- found by differential testing against the loop ----------------------------------------------
+
+SUMS = {
+    "tsum": lambda f, xs, **kw: gradmap.tsum(f, xs, **kw),
+    "tmap": lambda f, xs, **kw: sum(gradmap.tmap(f, xs, **kw)),
+}
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("api", list(SUMS))
+def test_a_parameter_used_directly_and_through_a_pre_call_tensor_counts_once(api, executor, remat):
+    """tsum's early pullbacks ran past a tensor made before the call and counted the parameter's
+    gradient through it twice."""
+
+    def run(mapper):
+        torch.manual_seed(5)
+        q = torch.randn(3, dtype=F64, requires_grad=True)
+        s = q * 2 + 1
+        xs = [torch.randn(4, 3, dtype=F64) for _ in range(5)]
+        total = mapper(lambda x: (torch.tanh(x * s) * q).sum(), xs)
+        return torch.autograd.grad(total, [q, s])
+
+    got = run(lambda f, xs: SUMS[api](f, xs, executor=executor, chunksize=2, remat=remat))
+    ref = run(lambda f, xs: sum(f(x) for x in xs))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+_READ_IN_METHOD: dict[str, Tensor] = {}
+
+
+class _ReadsGlobalsInForward(torch.nn.Module):
+    def forward(self, x):
+        g, s = _READ_IN_METHOD["g"], _READ_IN_METHOD["s"]
+        return (torch.tanh(x * g) * s * g).sum()
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("api", list(SUMS))
+def test_a_pre_call_tensor_read_only_inside_a_method_through_a_global(api, remat):
+    def run(mapper):
+        torch.manual_seed(6)
+        q = torch.randn(3, dtype=F64, requires_grad=True)
+        g = torch.randn(3, dtype=F64, requires_grad=True)
+        _READ_IN_METHOD.update(g=g, s=q * 2 + 1)
+        xs = [torch.randn(2, 3, dtype=F64) for _ in range(4)]
+        return torch.autograd.grad(mapper(_ReadsGlobalsInForward(), xs), [g, q])
+
+    ref = run(lambda f, xs: sum(f(x) for x in xs))
+    mapped = lambda f, xs: SUMS[api](f, xs, chunksize=2, remat=remat)  # noqa: E731
+    try:
+        if not native_walk():
+            with pytest.raises(RuntimeError, match="Python walk cannot find it"):
+                run(mapped)
+            return
+        got = run(mapped)
+    finally:
+        _READ_IN_METHOD.clear()
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_zero_cotangent_gives_zeros_to_what_it_reaches_and_none_elsewhere(executor):
+    """The loop gives zeros to a parameter reached only by zero cotangents, and None to one no
+    cotangent reaches; a chunk's zero-cotangent output must not give zeros to its neighbours'."""
+
+    def run(mapper):
+        torch.manual_seed(7)
+        p0, p1, p2 = (torch.randn(3, dtype=F64, requires_grad=True) for _ in range(3))
+        xs = [torch.randn(3, dtype=F64) for _ in range(2)]
+        ys = mapper(lambda x: ((x * p0).sum(), (x * p1).sum(), (x * p2).sum()), xs)
+        (a0, b0, _), (_, _, c1) = ys
+        (0 * a0 + b0 + 0 * c1).backward()
+        return [p0.grad, p1.grad, p2.grad]
+
+    got = run(lambda f, xs: gradmap.tmap(f, xs, executor=executor, chunksize=2))
+    ref = run(_loop)
+    assert [g is None for g in got] == [g is None for g in ref]
+    for a, b in zip(got, ref):
+        if b is not None:
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_zero_cotangent_under_create_graph_keeps_the_second_order_term(executor):
+    def run(mapper):
+        torch.manual_seed(8)
+        p = torch.randn(3, dtype=F64, requires_grad=True)
+        xs = [torch.randn(3, dtype=F64) for _ in range(3)]
+        ys = mapper(lambda x: (x * p).pow(2).sum(), xs)
+        (g,) = torch.autograd.grad(0 * ys[0] + ys[1], p, create_graph=True)
+        (gg,) = torch.autograd.grad(g.pow(2).sum(), p)
+        return [g.detach(), gg]
+
+    got = run(lambda f, xs: gradmap.tmap(f, xs, executor=executor, chunksize=1))
+    for a, b in zip(got, run(_loop)):
+        torch.testing.assert_close(a, b)
+
+
+class _Refuses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("this element's backward is never asked for")
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_autograd_grad_with_some_inputs_runs_no_element_that_reaches_none(executor):
+    """The engine prunes what leads to no input asked for; so does the map (native walk)."""
+    xs = [torch.randn(3, dtype=F64, requires_grad=True) for _ in range(2)]
+
+    def f(x):
+        return _Refuses.apply(x).sum() if x is xs[1] else (x * 2).sum()
+
+    loop = f(xs[0]) + f(xs[1])
+    (want,) = torch.autograd.grad(loop, [xs[0]])
+    r0, r1 = gradmap.tmap(f, xs, executor=executor, chunksize=2)
+    if not native_walk():
+        with pytest.raises(ValueError, match="never asked for"):
+            torch.autograd.grad(r0 + r1, [xs[0]])
+        return
+    (got,) = torch.autograd.grad(r0 + r1, [xs[0]])
+    torch.testing.assert_close(got, want)

@@ -24,6 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import Tensor, nn
 
 import gradmap
 from gradmap import _executors
@@ -37,8 +38,6 @@ from support import (
     gradmap_notes,
     settle_threads,
 )
-
-Tensor = torch.Tensor
 
 # -- helpers --------------------------------------------------------------------------------------
 
@@ -424,6 +423,59 @@ def test_nested_maps_under_many_callers_do_not_deadlock() -> None:
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_many_callers_sharing_a_model_and_a_tensor_made_before_the_calls() -> None:
+    """Eight threads map over one shared model whose f uses ``shared = w * 2``, made once before
+    the calls, with tmap, tsum and nested maps on mixed executors, each asking
+    ``autograd.grad(..., retain_graph=True)``: each gets the loop's gradients (a map must change
+    nothing another map shares: the shared tensor's graph is run by each caller's own backward)."""
+    torch.manual_seed(12)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    shared = w * 2
+    params = [*net.parameters(), w]
+    data = [[torch.randn(k % 4 + 1, 4, dtype=torch.float64) for k in range(9)] for _ in range(8)]
+
+    def f(x: Tensor) -> Tensor:
+        return net(x * shared).tanh().sum()
+
+    def nested(x: Tensor) -> Tensor:
+        return torch.stack(gradmap.tmap(lambda row: f(row.unsqueeze(0)), x, workers=2)).sum()
+
+    def loss(c: int, xs: list[Tensor], mapped: bool) -> Tensor:
+        g = nested if c % 4 == 3 else f
+        if not mapped:
+            return sum((g(x) for x in xs), torch.zeros((), dtype=torch.float64))
+        executor = [None, "serial", "threads", None][c % 4]
+        if c % 2:
+            return gradmap.tsum(g, xs, executor=executor, chunksize=2)
+        return torch.stack(gradmap.tmap(g, xs, executor=executor, chunksize=2)).sum()
+
+    expected = [
+        torch.autograd.grad(loss(c, xs, False), params, retain_graph=True)
+        for c, xs in enumerate(data)
+    ]
+    barrier = threading.Barrier(len(data))
+    errors: list[BaseException] = []
+
+    def caller(c: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):
+                got = torch.autograd.grad(loss(c, data[c], True), params, retain_graph=True)
+                for a, b in zip(got, expected[c]):
+                    torch.testing.assert_close(a, b)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(len(data))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    assert errors == [], errors[0]
 
 
 # -- 2. load --------------------------------------------------------------------------------------

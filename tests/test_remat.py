@@ -8,6 +8,8 @@ from torch import nn
 
 import gradmap
 
+pytestmark = pytest.mark.usefixtures("both_walks")
+
 
 def _ragged(n=9, d=4, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -134,3 +136,23 @@ def test_remat_under_no_grad_records_nothing():
     with torch.no_grad():
         ys = gradmap.tmap(lambda x: (x * w).sum(), torch.randn(4, 3), remat=True)
     assert not any(y.requires_grad for y in ys)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_eval_batchnorm_under_a_double_backward_as_in_the_loop(remat):
+    """The recompute of a create_graph backward wrote every buffer back in place, and the eval
+    BatchNorm's saved running statistics then refused the second backward."""
+
+    def run(mapper):
+        torch.manual_seed(10)
+        bn = torch.nn.BatchNorm1d(3).double().eval()
+        bn.running_mean.uniform_(-1, 1)
+        xs = [torch.randn(4, 3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        total = sum(mapper(lambda x: (bn(x) ** 2).sum(), xs))
+        (g,) = torch.autograd.grad(total, xs[0], create_graph=True)
+        (g * g).sum().backward()
+        return [g.detach(), bn.weight.grad, bn.running_mean.clone()]
+
+    got = run(lambda f, xs: gradmap.tmap(f, xs, chunksize=2, remat=remat))
+    for a, b in zip(got, run(lambda f, xs: [f(x) for x in xs])):
+        torch.testing.assert_close(a, b)

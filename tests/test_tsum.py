@@ -10,6 +10,8 @@ import gradmap
 
 from support import Boom, gradmap_notes
 
+pytestmark = pytest.mark.usefixtures("both_walks")
+
 F64 = torch.float64
 
 
@@ -216,3 +218,44 @@ def test_random_losses_reproducible_under_grad_and_no_grad():
         assert torch.equal(total(workers=2), ref.detach())
     assert torch.equal(total(workers=2).detach(), ref.detach())
     assert torch.equal(total(workers=4).detach(), ref.detach())
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_results_that_require_grad_for_some_elements_only(executor):
+    """Control flow that skips the parameters for some elements: the loop sums, so does tsum."""
+
+    def run(mapper):
+        torch.manual_seed(9)
+        p = torch.randn(3, dtype=F64, requires_grad=True)
+        xs = [torch.randn(3, dtype=F64) for _ in range(6)]
+
+        def f(x):
+            loss = (x * p).pow(2).sum()
+            return (loss, x.sum()) if x[0] > 0 else (loss.detach(), x.sum())
+
+        total = mapper(f, xs)
+        loss, plain = total if isinstance(total, tuple) else (total, None)
+        return [loss.detach(), plain, *torch.autograd.grad(loss, [p])]
+
+    def loop(f, xs):
+        each = [f(x) for x in xs]
+        return tuple(sum(leaves) for leaves in zip(*each))
+
+    got = run(lambda f, xs: gradmap.tsum(f, xs, executor=executor, chunksize=2))
+    for a, b in zip(got, run(loop)):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_leaf_that_requires_grad_in_no_element_is_summed_as_a_constant():
+    a, b = torch.randn(3, dtype=F64, requires_grad=True), torch.randn(3, dtype=F64)
+    total = gradmap.tsum(lambda x: x.sum(), [a, b, a * 2, b])
+    torch.testing.assert_close(total.detach(), (3 * a.sum() + 2 * b.sum()).detach())
+    total.backward()
+    torch.testing.assert_close(a.grad, torch.full((3,), 3.0, dtype=F64))
+
+
+def test_results_of_shapes_that_do_not_broadcast_name_the_element():
+    xs = [torch.randn(3, dtype=F64, requires_grad=True), torch.randn(4, dtype=F64)]
+    with pytest.raises(RuntimeError) as info:
+        gradmap.tsum(lambda x: x * 2, xs, executor="serial")
+    assert any("element 1" in n for n in gradmap_notes(info.value))

@@ -1,4 +1,4 @@
-"""The ``gradmap`` command: ``gradmap demo`` and ``gradmap bench``."""
+"""The ``gradmap`` command: ``gradmap demo``, ``gradmap bench`` and ``gradmap build``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import sys
 
 __all__ = ["main"]
 
-_USAGE = """usage: gradmap {demo,bench,bench-jax} [options]
+_USAGE = """usage: gradmap {demo,bench,bench-jax,build} [options]
 
   demo       a small ragged-data example: loop vs tmap time and the gradient difference
   bench      the benchmark workloads (gradmap bench --help)
   bench-jax  the ragged-bags workload in JAX: loops vs gradmap.jax.tmap (needs gradmap[jax])
+  build      build the native graph walk now (else the first map builds it, about 20 s)
 """
 
 
@@ -33,8 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.jax_bags import main as jax_main
 
         return int(jax_main(rest) or 0)
+    if command == "build":
+        from ._torch._native import build
+
+        print(f"gradmap: native graph walk ready: {build()}")
+        return 0
     print(
-        f"gradmap: unknown command {command!r}; expected one of ['bench', 'bench-jax', 'demo']",
+        f"gradmap: unknown command {command!r}; expected one of ['bench', 'bench-jax', 'build', "
+        "'demo']",
         file=sys.stderr,
     )
     return 2

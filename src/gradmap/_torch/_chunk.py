@@ -16,7 +16,15 @@ import torch
 
 from .._errors import add_note, element_note
 from .._tree import Spec, flatten
-from ._graph import Boundary, Known, find_boundary, pulling_back, sequence_nr
+from ._graph import (
+    BlockHooks,
+    Boundary,
+    Known,
+    find_boundary,
+    pulling_back,
+    reaches,
+    sequence_nr,
+)
 from ._random import MapRandom
 
 __all__ = ["ACCUMULATE", "DEFERRED", "ChunkRecord", "pull_back", "pull_back_sum", "run_forward"]
@@ -197,79 +205,101 @@ def pull_back(
     create_graph: bool = False,
     free_graph: bool = False,
     rerun: Callable[[list[int], bool], ChunkRecord] | None = None,
+    wanted: Sequence[bool] | None = None,
     api: str = "gradmap.tmap",
 ) -> list[Tensor | None] | None:
     """The chunk's gradients for its boundary entries, given a cotangent per output.
 
     ``free_graph``: the stored graph is not needed again, so the pullback may free it as it goes
     (``retain_graph=False``; compiled backwards with donated buffers require it). It is kept all
-    the same when the chunk has non-leaf boundary nodes, whose graph the caller's backward still
-    runs. A failing pullback that freed its graph names its element by recomputing the elements
-    one by one with ``rerun``.
+    the same when a pullback reaches past the boundary (the Python walk's non-leaf boundary
+    nodes, whose graph the caller's backward still runs). A failing pullback that freed its graph
+    names its element by recomputing the elements one by one with ``rerun``.
 
-    Elements whose cotangents are all missing do no work; elements whose cotangents are all zero do
-    no work either, and the chunk's boundary gets zeros where nothing else reaches it, as the loop
-    would give. ``recompute`` (for ``remat`` and ``create_graph``) runs the live elements' forward
-    again and pulls back through that fresh graph instead of the stored one.
+    Elements whose cotangents are all missing do no work; outputs whose cotangents are zero do no
+    work either, and the boundary entries they reach get zeros where nothing else reaches them,
+    as the loop would give. ``recompute`` (for ``remat`` and ``create_graph``) runs the live
+    elements' forward again and pulls back through that fresh graph instead of the stored one;
+    there zero cotangents are pulled back as any other (no stored graph tells what they reach).
+    ``wanted``: which boundary entries the running backward needs (``None``: all); the others
+    get ``None``, and an element that reaches none of them does no work.
 
     Returns:
         One gradient (or ``None``) per boundary entry; ``None`` if no cotangent reached the chunk.
     """
+    entries = len(record.boundary.keys)
+    if wanted is not None and (all(wanted) or len(wanted) != entries):
+        wanted = None
+    if wanted is not None and not any(wanted):
+        return None
     live: list[int] = []  # positions in record.elements
-    reached_zero = False  # some element was reached by zero cotangents only
+    zeros: list[Tensor] = []  # outputs reached by zero cotangents, not pulled back
     outs: list[Tensor] = []
     grads: list[Tensor] = []
-    nonzero = _nonzero_all(cotangents)
+    nonzero = _nonzero_all(cotangents) if recompute is None else [True] * len(cotangents)
     for e, el in enumerate(record.elements):
-        reached = had = False
+        had = False
         for o in range(*el.outputs):
             g = cotangents[o]
             if g is not None:
-                reached = True
                 if nonzero[o]:
                     had = True
                     outs.append(record.outputs[o])
                     grads.append(g)
+                else:
+                    zeros.append(record.outputs[o])
         if had:
             live.append(e)
-        elif reached:
-            reached_zero = True
-    if not live and not reached_zero:
+    if not live and not zeros:
         return None
     result: list[Tensor | None]
     if not live:
-        result = [None] * len(record.boundary.keys)
+        result = [None] * entries
     elif recompute is not None:
-        result = _pull_back_fresh(record, cotangents, live, recompute, n, create_graph, api, owner)
+        result = _pull_back_fresh(
+            record, cotangents, live, recompute, n, create_graph, api, owner, wanted
+        )
     else:
         retain = not free_graph or bool(record.boundary.nodes)
+        inputs = _wanted(record.boundary.inputs, wanted)
         one: Callable[[int], object] | None = lambda e: _pull_back_one(  # noqa: E731
-            record, e, cotangents, owner
+            record, e, cotangents, inputs, owner
         )
         if not retain:
             one = (
                 None
                 if rerun is None
                 else lambda e: _pull_back_fresh(
-                    record, cotangents, [e], rerun, n, False, api, owner
+                    record, cotangents, [e], rerun, n, False, api, owner, wanted
                 )
             )
         try:
-            result = _grad(
-                outs, record.boundary.inputs, grads, create_graph=False, owner=owner, retain=retain
-            )
+            got = _grad(outs, inputs, grads, create_graph=False, owner=owner, retain=retain)
         except Exception as exc:
             if isinstance(exc, RuntimeError) and _REENTRANT_CHECKPOINT in str(exc):
                 if not retain:
-                    record.drop_graph()  # partly freed: the plain backward recomputes
+                    record.drop_graph()  # partly freed
                 return ACCUMULATE
             _name_failing_element(exc, record, live, n, api, one)
             raise
-    if reached_zero:
-        for k, t in enumerate(record.boundary.tensors):
-            if result[k] is None:
-                result[k] = torch.zeros_like(t)
+        result = _unwanted(got, wanted)
+    if zeros and any(g is None for g in result):
+        for k, hit in enumerate(reaches(zeros, record.boundary)):
+            if hit and result[k] is None and (wanted is None or wanted[k]):
+                result[k] = torch.zeros_like(record.boundary.tensors[k])
     return result
+
+
+def _wanted(inputs: list[Any], wanted: Sequence[bool] | None) -> list[Any]:
+    return inputs if wanted is None else [t for t, w in zip(inputs, wanted) if w]
+
+
+def _unwanted(got: list[Tensor | None], wanted: Sequence[bool] | None) -> list[Tensor | None]:
+    """Gradients for the wanted entries, spread back over every entry (``None`` elsewhere)."""
+    if wanted is None:
+        return got
+    each = iter(got)
+    return [next(each) if w else None for w in wanted]
 
 
 def pull_back_sum(
@@ -294,6 +324,9 @@ def pull_back_sum(
             roots = [torch.stack(outs).sum()]
     else:
         roots = outs
+    # The Python walk's non-leaf boundary nodes are blocked here too (the map's own hooks come
+    # only with its join, after the forward): NOTE [nothing past the boundary].
+    hooks = BlockHooks(record.boundary.nodes, owner) if record.boundary.nodes else None
     try:
         return _grad(
             roots,
@@ -308,6 +341,9 @@ def pull_back_sum(
         if isinstance(exc, RuntimeError) and _REENTRANT_CHECKPOINT in str(exc):
             return ACCUMULATE  # type: ignore[no-any-return]
         return DEFERRED  # type: ignore[no-any-return]
+    finally:
+        if hooks is not None:
+            hooks.remove()
 
 
 def _grad(
@@ -335,14 +371,18 @@ def _grad(
 
 
 def _pull_back_one(
-    record: ChunkRecord, e: int, cotangents: Sequence[Tensor | None], owner: object
+    record: ChunkRecord,
+    e: int,
+    cotangents: Sequence[Tensor | None],
+    inputs: list[Any],
+    owner: object,
 ) -> None:
     el = record.elements[e]
     pairs = [(record.outputs[o], cotangents[o]) for o in range(*el.outputs)]
     pairs = [(t, g) for t, g in pairs if g is not None]
     outs = [t for t, _ in pairs]
     grads: list[Tensor] = [g for _, g in pairs if g is not None]
-    _grad(outs, record.boundary.inputs, grads, create_graph=False, owner=owner)
+    _grad(outs, inputs, grads, create_graph=False, owner=owner)
 
 
 def _pull_back_fresh(
@@ -354,9 +394,10 @@ def _pull_back_fresh(
     create_graph: bool,
     api: str,
     owner: object,
+    wanted: Sequence[bool] | None = None,
 ) -> list[Tensor | None]:
     """Recompute the live elements (with a graph) and pull back through the fresh graph, mapping
-    its boundary onto the stored record's."""
+    its boundary onto the stored record's (``wanted`` entries only)."""
 
     def same(fresh: ChunkRecord, which: list[int]) -> bool:
         for e, new in zip(which, fresh.elements):
@@ -387,11 +428,21 @@ def _pull_back_fresh(
                     grads.append(g)
         where = {key: k for k, key in enumerate(record.boundary.keys)}
         result: list[Tensor | None] = [None] * len(record.boundary.keys)
-        got = _grad(outs, fresh.boundary.inputs, grads, create_graph=create_graph, owner=owner)
-        for key, g in zip(fresh.boundary.keys, got):
+        places = []
+        for key in fresh.boundary.keys:
             k = where.get(key)
             if k is None:
                 _not_deterministic(api)
+            places.append(k)
+        mask = None if wanted is None else [wanted[k] for k in places]
+        got = _grad(
+            outs,
+            _wanted(fresh.boundary.inputs, mask),
+            grads,
+            create_graph=create_graph,
+            owner=owner,
+        )
+        for k, g in zip(_wanted(places, mask), got):
             result[k] = g
         return result
 

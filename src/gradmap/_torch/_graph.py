@@ -2,7 +2,8 @@
 
 NOTE [the boundary of a chunk]:
     ``f`` runs untouched: no mode, no stand-ins. What the gradient must reach is read off the graph
-    the chunk built. Walking ``grad_fn.next_functions`` from the chunk's outputs, every node is
+    the chunk built. The native walk does it exactly (NOTE [the native walk] in ``_native``); what
+    follows is the Python walk, its fallback where no compiler is found. Walking ``grad_fn.next_functions`` from the chunk's outputs, every node is
     either *inner* (created by this chunk) or not; the walk goes through inner nodes and stops at
     the others, which form the boundary:
     - an ``AccumulateGrad`` node: a leaf (a parameter, a closure or global leaf, an item leaf);
@@ -27,7 +28,8 @@ NOTE [the boundary of a chunk]:
     ``f`` by no reference gradmap follows; it would be walked through as inner. The gradient to
     every leaf stays right even then (the walk just goes further up); only a request for that
     very tensor's gradient (``autograd.grad`` with it as input, a hook on it) would miss the
-    map's part. Cost: one counter read per chunk and the walk, about 1 us per node in Python,
+    map's part. A node numbered outside the range with no tensor found stops the map with an
+    error: its gradient cannot be passed on without its tensor, and is never guessed. Cost: one counter read per chunk and the walk, about 1 us per node in Python,
     measured per workload in the README.
 
 NOTE [nothing past the boundary]:
@@ -49,20 +51,24 @@ import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd.graph import GradientEdge
+
+from ._native import native
 
 __all__ = [
     "Boundary",
     "find_boundary",
     "hooks_quiet",
     "keep_graph",
+    "needed",
     "plain_backward",
     "pulling_back",
     "reachable_from",
+    "reaches",
     "sequence_nr",
     "transforms_active",
 ]
@@ -120,7 +126,9 @@ class Boundary:
         keys: one hashable key per entry; equal keys across chunks are the same join input.
         tensors: the tensor of each entry (the join's input for it).
         inputs: what ``autograd.grad`` takes for each entry: the leaf, or a ``GradientEdge``.
-        nodes: the non-leaf boundary nodes (kept alive: their ids are in ``keys``).
+        nodes: the non-leaf boundary nodes the Python walk found (kept alive: their ids are in
+            ``keys``), which ``BlockHooks`` blocks; a pullback reaches past them. Empty from the
+            native walk, past whose gates no pullback runs (NOTE [the native walk]).
     """
 
     __slots__ = ("inputs", "keys", "nodes", "tensors")
@@ -144,11 +152,14 @@ class Known:
     def __init__(self, f: Any, elements: Sequence[tuple[Any, ...]], *, eager: bool) -> None:
         self._edges: dict[tuple[int, int], Tensor] = {}
         self._nodes: dict[int, Node] = {}
-        self._source: tuple[Any, Sequence[tuple[Any, ...]]] | None = (f, elements)
-        self._scanned_gc = False
         self._lock = threading.Lock()
+        #: The native walk, which needs none of this (NOTE [the native walk]).
+        self.native = native()
+        self._source: tuple[Any, Sequence[tuple[Any, ...]]] | None = (
+            None if self.native is not None else (f, elements)
+        )
         if eager:
-            self._scan()
+            self.complete()
 
     def complete(self) -> None:
         """Scan now (before chunks run on other threads than the caller's)."""
@@ -174,33 +185,32 @@ class Known:
     def tensor_for(self, node: Node, nr: int) -> Tensor | None:
         """The tensor whose gradient edge is ``(node, nr)``, or ``None`` if none can be found."""
         t = self._edges.get((id(node), nr))
-        if t is not None:
-            return t
-        if self._source is not None:
+        if t is None and self._source is not None:
             self._scan()
             t = self._edges.get((id(node), nr))
-        if t is not None or self._scanned_gc:
-            return t
-        with self._lock:  # last resort, once per map: every tensor the collector tracks
-            if not self._scanned_gc:
-                # By type, not isinstance: that would ask dead weak proxies for their class.
-                for obj in gc.get_objects():
-                    if issubclass(type(obj), Tensor) and obj.grad_fn is not None:
-                        self.add(obj)
-                self._scanned_gc = True
-        return self._edges.get((id(node), nr))
+        return t
 
 
-def find_boundary(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary:
+def find_boundary(outputs: list[Tensor], lo: int, hi: int, known: Known) -> Boundary:
     """Walk a chunk's graph from ``outputs``; nodes numbered in ``[lo, hi)`` are inner unless
     ``known`` says otherwise (NOTE [the boundary of a chunk]).
 
-    The hot loop of a map's bookkeeping, written out flat. Each node it reaches gets a Python
+    With the native walk (NOTE [the native walk]), an output made outside the chunk is replaced
+    in ``outputs`` by a gated alias. Otherwise, the Python walk below: the hot loop of a map's
+    bookkeeping, written out flat. Each node it reaches gets a Python
     wrapper, an object the cyclic garbage collector tracks; with the collector on, the walk's own
     allocations set off collections of the whole heap, which cost more than the walk (measured:
     3-6 us per node with it on). The walk calls no user code and frees what it allocates, so the
     collector is paused for its length (if no one else paused it) and resumed after.
     """
+    walker = known.native
+    if walker is not None:
+        keys, tensors, inputs, roots = walker.walk(outputs, lo, hi)
+        boundary = Boundary()
+        boundary.keys, boundary.tensors, boundary.inputs = keys, tensors, inputs
+        for i, t in roots:  # outputs made outside the chunk: their gated aliases
+            outputs[i] = t
+        return boundary
     if not gc.isenabled():
         return _walk(outputs, lo, hi, known)
     gc.disable()
@@ -257,15 +267,67 @@ def _walk(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary
                 inputs.append(GradientEdge(node, nr))
                 nodes.append(node)
                 continue
-            # No live tensor has this edge (an autocast cache's cast of a weight, an
-            # intermediate whose tensor is gone): nobody can ask for its gradient, so the walk
-            # goes through it to what it was made from (NOTE [the boundary of a chunk]).
+            if not (lo <= node._sequence_nr() < hi):
+                _not_found(node, nr)
+            # Numbered as the chunk's, with no known tensor: the chunk's own (the Python walk
+            # cannot tell another thread's node apart: NOTE [the boundary of a chunk]).
         seen.add(key)
         kept.append(node)
         for child in node.next_functions:
             if child[0] is not None:
                 stack.append(child)
     return boundary
+
+
+def reaches(outputs: list[Tensor], boundary: Boundary) -> list[bool]:
+    """For each entry of a chunk's boundary, whether the graph from ``outputs`` (some of the
+    chunk's outputs, their graph stored) reaches it: where a cotangent of zeros gives zeros."""
+    walker = native()
+    if walker is not None and not boundary.nodes:
+        return list(walker.reaches(outputs, boundary.inputs))
+    index = {key: k for k, key in enumerate(boundary.keys)}
+    hit = [False] * len(index)
+    seen: set[int] = set()
+    stack: list[tuple[Node, int, Tensor | None]] = [(t.grad_fn, t.output_nr, t) for t in outputs]
+    while stack:
+        node, nr, t = stack.pop()
+        if node is None:
+            k = index.get(("leaf", id(t)))
+        elif type(node) is _ACCUMULATE_GRAD:
+            k = index.get(("leaf", id(getattr(node, "variable"))))  # noqa: B009
+        else:
+            k = index.get(("edge", id(node), nr))
+        if k is not None:
+            hit[k] = True
+            continue
+        if node is None or id(node) in seen or type(node) is _ACCUMULATE_GRAD:
+            continue
+        seen.add(id(node))
+        stack.extend((child, child_nr, None) for child, child_nr in node.next_functions)
+    return hit
+
+
+def needed(ctx: Any, count: int) -> list[bool]:
+    """For each of the ``count`` inputs of a join (``ctx``, in its backward), whether the running
+    backward needs its gradient (with ``autograd.grad`` or ``backward(inputs=...)``, only those
+    on a path to what was asked for). Without the native walk: all."""
+    walker = native()
+    if walker is None:
+        return [True] * count
+    mask = list(walker.needed(ctx))
+    return mask if len(mask) == count else [True] * count
+
+
+def _not_found(node: Node, nr: int) -> NoReturn:
+    raise RuntimeError(
+        f"gradmap: f uses a tensor that requires grad and was computed before the call "
+        f"(grad_fn={node.name()}, output {nr}), and gradmap's Python walk cannot find it among "
+        "the items and what f refers to (closure cells, defaults, globals its code names, bound "
+        "self). Its gradient would be lost, so the map stops. Fix: let gradmap build its native "
+        "walk, which needs no such search (install a C++ compiler and ninja, then run `python -m "
+        "gradmap build`; NOTE [the native walk]), or pass the tensor to the map as an item or "
+        "as an attribute of f."
+    )
 
 
 class BlockHooks:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun, run_chunks, run_pipeline
+from .._errors import add_note
 from .._executors import Executor, SerialExecutor, ThreadExecutor
 from .._join import JoinLayout, sum_in_chunk_order
 from .._placement import Placement, placement_for
@@ -54,10 +55,12 @@ from ._graph import (
     hooks_quiet,
     keep_graph,
     modules_of,
+    needed,
     plain_backward,
     retains_grad,
     transforms_active,
 )
+from ._native import native
 from ._random import MapRandom
 from ._state import ThreadState
 
@@ -101,6 +104,11 @@ class MapCall:
         )
         self.known: Known | None = None
         self.owner = object()  # what this map's blocking hooks answer to
+
+    @property
+    def gated(self) -> bool:
+        """Whether chunk boundaries come from the native walk (NOTE [the native walk])."""
+        return native() is not None
 
     # -- passes -------------------------------------------------------------------------------
 
@@ -195,13 +203,18 @@ class MapCall:
         if self.f is not None:
             for module in modules_of(self.f):
                 for b in module.buffers():
-                    saved.append((b, b.detach().clone()))
+                    saved.append((b, b._version, b.detach().clone()))
         try:
             yield
         finally:
+            # Only buffers the recompute changed (BatchNorm's kernel updates its statistics
+            # without bumping their version): writing back an unchanged one would bump its
+            # version, and a double backward through an eval-mode BatchNorm, which saved its
+            # running statistics, would then refuse them as modified in place.
             with torch.no_grad():
-                for b, value in saved:
-                    b.copy_(value)
+                for b, version, value in saved:
+                    if b._version != version or not torch.equal(b, value):
+                        b.copy_(value)
 
     def free(self) -> None:
         self.f = self.elements = None
@@ -286,6 +299,16 @@ class _MapGraph:
         # another map's pullback runs the same shared node's pre-hooks.
         self._remove_hooks = weakref.finalize(self, hooks.remove)
 
+    def wanted(self, ctx: Any) -> Callable[[int], list[bool] | None]:
+        """For each chunk, which of its boundary entries the running backward needs (``None``:
+        all): ``autograd.grad`` with some inputs runs no element that reaches none of them, as
+        the engine prunes the loop's graph. ``ctx``: the join's, in its backward."""
+        mask = needed(ctx, len(self.layout.inputs))
+        if all(mask):
+            return lambda k: None
+        positions = self.layout.positions
+        return lambda k: [mask[p] for p in positions[k]]
+
     def backward(
         self,
         backward_chunk: Callable[[int, ChunkRun[Any]], Any],
@@ -299,9 +322,13 @@ class _MapGraph:
         call, layout, records = self.call, self.layout, self.records
         assert records is not None
         state = ThreadState(grad_enabled=create_graph)
-        # A retained gradient's hook writes .grad from each pullback: one at a time.
-        serial = _CALLER if retains_grad(layout.inputs) else None
-        with hooks_quiet(layout.inputs), call.buffers_kept() if recomputes else nullcontext():
+        # The Python walk's pullbacks reach the boundary tensors' own hooks: a retained
+        # gradient's hook writes .grad from each pullback (one at a time), and the hooks are set
+        # aside meanwhile. Past the native walk's gates no pullback runs them.
+        gated = call.gated
+        serial = _CALLER if not gated and retains_grad(layout.inputs) else None
+        quiet = nullcontext() if gated else hooks_quiet(layout.inputs)
+        with quiet, call.buffers_kept() if recomputes else nullcontext():
             per_chunk = call.run_pass(
                 "backward",
                 backward_chunk,
@@ -339,6 +366,7 @@ class _Join(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()
         fresh = call.recompute if (create_graph or call.remat) else None
         free_graph = not keep_graph()
+        wanted = graph.wanted(ctx)
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             return pull_back(
@@ -350,6 +378,7 @@ class _Join(torch.autograd.Function):
                 create_graph=create_graph,
                 free_graph=free_graph,
                 rerun=call.recompute,
+                wanted=wanted(k),
                 api=call.api,
             )
 
@@ -448,8 +477,9 @@ def sum_torch(
 
 
 def _loss_like(record: ChunkRecord) -> bool:
+    """Whether every element returned one 0-d tensor (requiring grad or not)."""
     return all(
-        len(el.diff) == 1 and len(el.leaves) == 1 and record.outputs[el.outputs[0]].dim() == 0
+        len(el.leaves) == 1 and (not el.diff or record.outputs[el.outputs[0]].dim() == 0)
         for el in record.elements
     )
 
@@ -474,7 +504,8 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
     def early(k: int, record: ChunkRecord) -> tuple[ChunkRecord, list[Tensor | None] | None]:
         # A boundary tensor's own hooks (and retained gradient) are set aside only around the
         # sum's backward (``hooks_quiet``): such chunks are pulled back there.
-        if not record.stored or not _loss_like(record) or hooked(record.boundary.tensors):
+        hooks = not call.gated and hooked(record.boundary.tensors)
+        if not record.stored or not _loss_like(record) or hooks:
             if call.remat:
                 record.drop_graph()
             return record, None
@@ -557,40 +588,52 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
     first = records[0].elements[0]
     spec = first.spec
     width = len(first.leaves)
-    diff = first.diff
+    differentiable: set[int] = set()  # leaves that require grad in some element's result
     partial: list[Any] = []
     for r in records:
         totals: list[Any] | None = None
         for el in r.elements:
-            if el.spec != spec or len(el.leaves) != width or el.diff != diff:
+            if el.spec != spec or len(el.leaves) != width:
                 raise ValueError(
-                    f"gradmap.tsum: element {el.index} returned a result of another structure, or "
-                    "with other leaves requiring grad, than element 0's; every element must "
-                    "return the same structure to be summed"
+                    f"gradmap.tsum: element {el.index} returned a result of another structure "
+                    "than element 0's; every element must return the same structure (a tensor, "
+                    "or a pytree of tensors) to be summed"
                 )
-            values = [
-                r.outputs[el.outputs[0] + diff.index(j)].detach() if j in diff else leaf
-                for j, leaf in enumerate(el.leaves)
-            ]
-            totals = values if totals is None else [a + b for a, b in zip(totals, values)]
+            differentiable.update(el.diff)
+            values = list(el.leaves)
+            for o, j in zip(range(*el.outputs), el.diff):
+                values[j] = r.outputs[o].detach()
+            totals = values if totals is None else _add(totals, values, f"element {el.index}")
             el.leaves = []
         partial.append(totals)
     sums = partial[0]
-    for more in partial[1:]:
-        sums = [a + b for a, b in zip(sums, more)]
+    for r, more in zip(records[1:], partial[1:]):
+        lo, hi = r.elements[0].index, r.elements[-1].index
+        which = f"element {lo}" if lo == hi else f"elements {lo}..{hi}"
+        sums = _add(sums, more, which)
+    diff = sorted(differentiable)
     layout: JoinLayout[Tensor] = JoinLayout(
         [r.boundary.tensors for r in records],
         [r.boundary.keys for r in records],
         [len(r.outputs) for r in records],
     )
     if diff and layout.inputs:
-        graph = _SumGraph(call, chunks, layout, [sums[j] for j in diff])
+        graph = _SumGraph(call, chunks, layout, [sums[j] for j in diff], diff)
         joined = _SumJoin.apply(graph, *layout.inputs)
         for j, t in zip(diff, joined):
             sums[j] = t
     else:
         call.free()
     return unflatten(sums, spec)
+
+
+def _add(totals: list[Any], values: list[Any], which: str) -> list[Any]:
+    """Leaf by leaf; a failure (shapes that do not broadcast) names the elements added."""
+    try:
+        return [a + b for a, b in zip(totals, values)]
+    except Exception as exc:
+        add_note(exc, f"gradmap.tsum: adding the result of {which} to the sum of those before")
+        raise
 
 
 class _SumGraph(_MapGraph):
@@ -600,10 +643,12 @@ class _SumGraph(_MapGraph):
         chunks: list[tuple[ChunkRecord, list[Tensor | None] | None]],
         layout: JoinLayout[Tensor],
         sums: list[Tensor],
+        diff: list[int],
     ) -> None:
         super().__init__(call, [r for r, _ in chunks], layout)
         self.early = [g for _, g in chunks]
         self.outputs = sums
+        self.place = {j: i for i, j in enumerate(diff)}  # a result leaf's place among the sums
 
 
 class _SumJoin(torch.autograd.Function):
@@ -623,13 +668,17 @@ class _SumJoin(torch.autograd.Function):
         assert records is not None
         create_graph = torch.is_grad_enabled()
 
+        place = graph.place
+
         def chunk_cotangents(k: int) -> list[Tensor | None]:
-            # The sum's cotangent for each element's leaves (every element has the same leaves).
-            return [c for _ in records[k].elements for c in cotangents]
+            # The sum's cotangent for each element's leaves that require grad.
+            return [cotangents[place[j]] for el in records[k].elements for j in el.diff]
 
         def recomputed(k: int) -> bool:
             # Early chunks' graphs are gone; others are kept unless remat dropped them.
             return create_graph or graph.early[k] is not None or not records[k].stored
+
+        wanted = graph.wanted(ctx)
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             early = graph.early[k]
@@ -643,6 +692,7 @@ class _SumJoin(torch.autograd.Function):
                 owner=call.owner,
                 recompute=call.recompute if recomputed(k) else None,
                 create_graph=create_graph,
+                wanted=wanted(k),
                 api=call.api,
             )
 

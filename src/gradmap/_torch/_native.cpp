@@ -1,0 +1,229 @@
+// gradmap's native boundary walk (NOTE [the native walk] in _native.py).
+//
+// walk(outputs, lo, hi) reads a chunk's boundary off the graph its forward built in the calling
+// thread, and gates every edge from the chunk to a node made elsewhere. It makes no Python
+// object per node: only the boundary's entries reach Python.
+#include <ATen/record_function.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/tensor.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::AccumulateGrad;
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::InputMetadata;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+namespace {
+
+// A node of the chunk's own between its nodes and a node made outside the chunk (a leaf's
+// AccumulateGrad, or a non-leaf made before the call). It passes gradients through. A chunk
+// pullback asks for the gates' gradients: the engine captures them there and, since nothing it
+// was asked for lies behind a gate, runs nothing beyond (NOTE [the native walk]).
+struct Gate final : Node {
+  Gate(Edge to, const InputMetadata& meta)
+      : Node(std::numeric_limits<uint64_t>::max(), edge_list{std::move(to)}) {
+    input_metadata_.push_back(meta);
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    return std::move(grads);
+  }
+
+  std::string name() const override {
+    return "gradmap::Gate";
+  }
+};
+
+bool is_inner(const Node* node, uint64_t thread, uint64_t lo, uint64_t hi) {
+  auto nr = node->sequence_nr();
+  return node->thread_id() == thread && lo <= nr && nr < hi;
+}
+
+at::Tensor stand_in(const InputMetadata& meta) {
+  TORCH_CHECK(
+      !meta.is_nested_tensor(),
+      "gradmap: f uses a nested tensor made before the call, which the join cannot take as an "
+      "input; pass it as an item instead");
+  auto shape = C10_AS_INTARRAYREF_SLOW(meta.shape_as_dim_vector());
+  return at::zeros({}, meta.options()).expand(shape);
+}
+
+struct Entry {
+  intptr_t key;  // the leaf's TensorImpl, or the outside node
+  int64_t nr;  // -1 for a leaf, else the edge's input number
+  at::Tensor tensor;  // the join's input: the leaf, or a stand-in on the outside edge
+  at::Tensor input;  // what the chunk's autograd.grad takes: a tensor on the gate's edge
+};
+
+struct Walk {
+  uint64_t thread, lo, hi;
+  std::vector<Entry> entries;
+  std::map<std::pair<const Node*, uint32_t>, c10::intrusive_ptr<Gate>> gates;
+  std::unordered_set<const Node*> seen;
+  std::vector<Node*> stack;
+
+  // The gate for the outside edge (node, nr), made (with its boundary entry) on first sight.
+  c10::intrusive_ptr<Node> gate(const c10::intrusive_ptr<Node>& node, uint32_t nr) {
+    auto& g = gates[{node.get(), nr}];
+    if (!g) {
+      const auto& meta = node->input_metadata(nr);
+      g = c10::make_intrusive<Gate>(Edge(node, nr), meta);
+      if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get())) {
+        const auto& leaf = acc->variable;
+        entries.push_back(
+            {reinterpret_cast<intptr_t>(leaf.unsafeGetTensorImpl()),
+             -1,
+             leaf,
+             torch::autograd::make_variable(leaf.variable_data(), Edge(g, 0))});
+      } else {
+        auto data = stand_in(meta);
+        entries.push_back(
+            {reinterpret_cast<intptr_t>(node.get()),
+             static_cast<int64_t>(nr),
+             torch::autograd::make_variable(data, Edge(node, nr)),
+             torch::autograd::make_variable(data, Edge(g, 0))});
+      }
+    }
+    return g;
+  }
+
+  // Whether an edge leads out of the chunk (and must be gated); an inner node is queued.
+  bool leaves_chunk(const Edge& edge) {
+    Node* child = edge.function.get();
+    if (is_inner(child, thread, lo, hi)) {
+      if (seen.insert(child).second) {
+        stack.push_back(child);
+      }
+      return false;
+    }
+    if (auto* acc = dynamic_cast<AccumulateGrad*>(child)) {
+      return acc->variable.defined();  // (a released accumulator takes nothing: left as it is)
+    }
+    return true;
+  }
+};
+
+py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi) {
+  Walk w{at::RecordFunction::currentThreadId(), lo, hi};
+  std::vector<std::pair<size_t, at::Tensor>> roots;  // outputs replaced by a gated alias
+  {
+    py::gil_scoped_release no_gil;  // the walk touches no Python object
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const auto& t = outputs[i];
+      auto edge = torch::autograd::impl::gradient_edge(t);  // a leaf's accumulator, if a leaf
+      if (edge.function && w.leaves_chunk(edge)) {
+        auto g = w.gate(edge.function, edge.input_nr);
+        roots.emplace_back(i, torch::autograd::make_variable(t.variable_data(), Edge(g, 0)));
+      }
+    }
+    while (!w.stack.empty()) {
+      Node* node = w.stack.back();
+      w.stack.pop_back();
+      auto& next = node->next_edges();
+      for (size_t i = 0; i < next.size(); ++i) {
+        auto& edge = next[i];
+        if (edge.is_valid() && w.leaves_chunk(edge)) {
+          edge = Edge(w.gate(edge.function, edge.input_nr), 0);
+          // An in-place write into a view (``buffer[i] = y``) keeps the in-place op's node
+          // inside its CopySlices node, whose edges past the first must stay the same as its own.
+          auto* copy = dynamic_cast<torch::autograd::CopySlices*>(node);
+          if (copy != nullptr && i > 0 && copy->fn && i < copy->fn->next_edges().size()) {
+            copy->fn->next_edges()[i] = edge;
+          }
+        }
+      }
+    }
+  }
+  py::list keys, tensors, inputs, replaced;
+  for (auto& e : w.entries) {
+    keys.append(py::make_tuple(e.key, e.nr));
+    tensors.append(std::move(e.tensor));
+    inputs.append(std::move(e.input));
+  }
+  for (auto& [i, t] : roots) {
+    replaced.append(py::make_tuple(i, std::move(t)));
+  }
+  return py::make_tuple(keys, tensors, inputs, replaced);
+}
+
+// For each of a walked chunk's boundary inputs (tensors on its gates' edges), whether the graph
+// from ``outputs`` reaches it: which gradients a cotangent of zeros would have made zeros.
+std::vector<bool> reaches(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
+  std::unordered_map<const Node*, size_t> gates;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    gates.emplace(torch::autograd::impl::gradient_edge(inputs[k]).function.get(), k);
+  }
+  std::vector<bool> hit(inputs.size(), false);
+  std::unordered_set<const Node*> seen;
+  std::vector<Node*> stack;
+  py::gil_scoped_release no_gil;
+  for (const auto& t : outputs) {
+    auto edge = torch::autograd::impl::gradient_edge(t);
+    if (edge.function && seen.insert(edge.function.get()).second) {
+      stack.push_back(edge.function.get());
+    }
+  }
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    auto it = gates.find(node);
+    if (it != gates.end()) {
+      hit[it->second] = true;
+      continue;
+    }
+    if (dynamic_cast<Gate*>(node) != nullptr) {
+      continue;  // another chunk's, or another map's: nothing of this boundary behind it
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.is_valid() && seen.insert(edge.function.get()).second) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  return hit;
+}
+
+// For each input of the custom Function node ``ctx`` (a join, in its backward), whether the
+// running backward needs its gradient: every one in a plain backward; in autograd.grad or
+// backward(inputs=...), those on a path to what was asked for. Read off the node's own edges,
+// which an enclosing map's walk may have gated.
+std::vector<bool> needed(const py::object& ctx) {
+  TORCH_CHECK(THPFunction_Check(ctx.ptr()), "gradmap: needed() takes a custom Function's ctx");
+  const auto& node = reinterpret_cast<THPFunction*>(ctx.ptr())->cdata;
+  TORCH_CHECK(node, "gradmap: the join's node is gone");
+  const auto& edges = node->next_edges();
+  std::vector<bool> out(edges.size(), true);
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  if (info == nullptr || info->empty()) {
+    return out;
+  }
+  for (size_t k = 0; k < edges.size(); ++k) {
+    auto it = info->find(edges[k].function.get());
+    out[k] = it != info->end() && it->second.should_execute();
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("walk", &walk, "A chunk's boundary, its edges to non-leaves made elsewhere gated.");
+  m.def("reaches", &reaches, "Which boundary inputs the graph from outputs reaches.");
+  m.def("needed", &needed, "Which of a join's inputs the running backward needs.");
+}
