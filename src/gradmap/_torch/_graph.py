@@ -3,34 +3,35 @@
 NOTE [the boundary of a chunk]:
     ``f`` runs untouched: no mode, no stand-ins. What the gradient must reach is read off the graph
     the chunk built. The native walk does it exactly (NOTE [the native walk] in ``_native``); what
-    follows is the Python walk, its fallback where no compiler is found. Walking ``grad_fn.next_functions`` from the chunk's outputs, every node is
-    either *inner* (created by this chunk) or not; the walk goes through inner nodes and stops at
-    the others, which form the boundary:
+    follows is the Python walk, its fallback where no compiler is found. Walking
+    ``grad_fn.next_functions`` from the chunk's outputs, every node is either *inner* (created by
+    this chunk) or not; the walk goes through inner nodes and stops at the others, which form the
+    boundary:
     - an ``AccumulateGrad`` node: a leaf (a parameter, a closure or global leaf, an item leaf);
     - any other node: a non-leaf tensor made before the call (an item cut from a tensor, a tensor
-      computed before the map); the boundary entry is the edge ``(node, output_nr)``, and the
-      graph behind it runs once, in the caller's backward, with the summed gradient.
+      computed before the map); the boundary entry is the edge ``(node, output_nr)``, and the graph
+      behind it runs once, in the caller's backward, with the summed gradient.
     A chunk's pullback is one ``torch.autograd.grad`` with those entries as ``inputs`` (leaves as
     tensors, non-leaf edges as ``GradientEdge``): it writes no ``.grad``, so chunks pull back
     concurrently.
 
     Which nodes are inner: autograd numbers nodes per thread (``_sequence_nr``, a thread-local
-    counter that only grows). A chunk's forward runs in one thread; the counter before and after
-    it brackets every node the chunk created. A node with a number outside that range was not
-    created by this chunk. Inside the range, a node could still be another thread's (the counters
-    are per thread; the caller's nodes are the likely ones when chunks run on the pool), so every
-    tensor the map can see that was made before the call -- the items, and the non-leaf tensors
-    reachable from ``f`` (closure cells, defaults, bound ``self``, the globals its code names,
-    ``functools.partial`` arguments, a few levels of containers and attributes) -- marks its node
-    as outside whatever its number (``Known``; for the serial executor, whose chunks run in the
+    counter that only grows). A chunk's forward runs in one thread; the counter before and after it
+    brackets every node the chunk created. A node with a number outside that range was not created
+    by this chunk. Inside the range, a node could still be another thread's (the counters are per
+    thread; the caller's nodes are the likely ones when chunks run on the pool), so every tensor the
+    map can see that was made before the call -- the items, and the non-leaf tensors reachable from
+    ``f`` (closure cells, defaults, bound ``self``, the globals its code names,
+    ``functools.partial`` arguments, a few levels of containers and attributes) -- marks its node as
+    outside whatever its number (``Known``; for the serial executor, whose chunks run in the
     caller's thread after all of its earlier nodes, only when an edge needs its tensor). What
     remains is a node another thread made, numbered inside this chunk's range and reachable from
     ``f`` by no reference gradmap follows; it would be walked through as inner. The gradient to
-    every leaf stays right even then (the walk just goes further up); only a request for that
-    very tensor's gradient (``autograd.grad`` with it as input, a hook on it) would miss the
-    map's part. A node numbered outside the range with no tensor found stops the map with an
-    error: its gradient cannot be passed on without its tensor, and is never guessed. Cost: one counter read per chunk and the walk, about 1 us per node in Python,
-    measured per workload in the README.
+    every leaf stays right even then (the walk just goes further up); only a request for that very
+    tensor's gradient (``autograd.grad`` with it as input, a hook on it) would miss the map's part.
+    A node numbered outside the range with no tensor found stops the map with an error: its
+    gradient cannot be passed on without its tensor, and is never guessed. Cost: one counter read
+    per chunk and the walk, about 1 us per node in Python, measured per workload in the README.
 
 NOTE [nothing past the boundary]:
     ``autograd.grad`` stops at its inputs only where nothing behind them is needed: if a chunk
