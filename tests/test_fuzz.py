@@ -9,7 +9,8 @@ executor, chunks, ``remat``, ``.backward()`` or ``autograd.grad`` on a subset, a
 The loop and gradmap run the same program on fresh copies of the same values; values, gradients
 and which gradients are ``None`` must agree (float64, up to summation order).
 
-A few seconds in CI; ``GRADMAP_FUZZ=N`` runs N cases per executor (``pytest -m fuzz -k fuzz``).
+A few seconds in CI; ``GRADMAP_FUZZ=N`` runs N cases per executor (a quarter of that on
+processes): ``GRADMAP_FUZZ=2000 pytest -m fuzz``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ class World:
         return leaves
 
 
+def _row_loss(p: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return (row * p).sum()
+
+
 def body(
     program: dict[str, Any], params: list[torch.Tensor], pre: torch.Tensor | None, x: torch.Tensor
 ) -> Any:
@@ -121,6 +126,13 @@ def body(
             h = buf[1:] + buf[0]
         elif op == "branch":
             h = h * 2 if float(x.detach().sum()) > 0 else h.cos() * p0
+        elif op == "nested":  # a map inside f, over the rows of a tensor the element made
+            row_loss = functools.partial(_row_loss, params[-1])
+            if program["mapped"]:
+                rows = gradmap.tmap(row_loss, h, executor="threads", chunksize=1)
+            else:
+                rows = [row_loss(r) for r in h]
+            h = h + torch.stack(rows).unsqueeze(1)
         elif op == "matmul":
             h = h @ torch.outer(params[-1], p0) * 0.1
     loss = (h * h).mean()
@@ -193,7 +205,7 @@ def draw(rng: random.Random, executor: str) -> dict[str, Any]:
         "pre": rng.choice([None, "affine", "tanh", "chain"]),
         "items": rng.choice(["leaves", "constants", "mixed", "rows"]),
         "ops": rng.sample(
-            ["pre", "param", "custom", "buffer", "branch", "matmul"], rng.randint(1, 5)
+            ["pre", "param", "custom", "buffer", "branch", "matmul", "nested"], rng.randint(1, 5)
         ),
         "out": rng.choice(["scalar", "scalar", "pair", "vector", "maybe"]),
         "f": rng.choice(["closure", "module", "global-method", "callable", "partial"]),
@@ -228,6 +240,7 @@ def reduce(program: dict[str, Any], results: Any, n: int) -> torch.Tensor:
 
 def run(program: dict[str, Any], seed: int, mapped: bool) -> tuple[list[Any], list[Any]]:
     """The program's values and gradients, by the loop (``mapped=False``) or by gradmap."""
+    program["mapped"] = mapped
     world = World(seed, program)
     f = make_f(program, world)
     n = program["n"]
@@ -285,6 +298,7 @@ def _compare(a: list[Any], b: list[Any], what: str) -> None:
             torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12, msg=f"{name} differs")
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_random_programs_give_the_loops_values_and_gradients(executor: str) -> None:
     if executor == "processes":  # the workers cannot import this test module

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <type_traits>
 #include <map>
 #include <unordered_map>
 #include <unordered_set>
@@ -50,6 +52,28 @@ struct Gate final : Node {
   }
 };
 
+// Nodes are held by std::shared_ptr up to torch 2.12 and by c10::intrusive_ptr after.
+using NodePtr = decltype(std::declval<Edge>().function);
+
+template <class P = NodePtr>
+P make_gate(Edge to, const InputMetadata& meta) {
+  if constexpr (std::is_same_v<P, std::shared_ptr<Node>>) {
+    return std::make_shared<Gate>(std::move(to), meta);
+  } else {
+    return c10::make_intrusive<Gate>(std::move(to), meta);
+  }
+}
+
+template <class T>
+std::shared_ptr<T> strong(const std::weak_ptr<T>& p) {
+  return p.lock();
+}
+
+template <class T>
+const c10::intrusive_ptr<T>& strong(const c10::intrusive_ptr<T>& p) {
+  return p;
+}
+
 bool is_inner(const Node* node, uint64_t thread, uint64_t lo, uint64_t hi) {
   auto nr = node->sequence_nr();
   return node->thread_id() == thread && lo <= nr && nr < hi;
@@ -74,16 +98,16 @@ struct Entry {
 struct Walk {
   uint64_t thread, lo, hi;
   std::vector<Entry> entries;
-  std::map<std::pair<const Node*, uint32_t>, c10::intrusive_ptr<Gate>> gates;
+  std::map<std::pair<const Node*, uint32_t>, NodePtr> gates;
   std::unordered_set<const Node*> seen;
   std::vector<Node*> stack;
 
   // The gate for the outside edge (node, nr), made (with its boundary entry) on first sight.
-  c10::intrusive_ptr<Node> gate(const c10::intrusive_ptr<Node>& node, uint32_t nr) {
+  NodePtr gate(const NodePtr& node, uint32_t nr) {
     auto& g = gates[{node.get(), nr}];
     if (!g) {
       const auto& meta = node->input_metadata(nr);
-      g = c10::make_intrusive<Gate>(Edge(node, nr), meta);
+      g = make_gate(Edge(node, nr), meta);
       if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get())) {
         const auto& leaf = acc->variable;
         entries.push_back(
@@ -205,7 +229,7 @@ std::vector<bool> reaches(const std::vector<at::Tensor>& outputs, const std::vec
 // which an enclosing map's walk may have gated.
 std::vector<bool> needed(const py::object& ctx) {
   TORCH_CHECK(THPFunction_Check(ctx.ptr()), "gradmap: needed() takes a custom Function's ctx");
-  const auto& node = reinterpret_cast<THPFunction*>(ctx.ptr())->cdata;
+  auto node = strong(reinterpret_cast<THPFunction*>(ctx.ptr())->cdata);
   TORCH_CHECK(node, "gradmap: the join's node is gone");
   const auto& edges = node->next_edges();
   std::vector<bool> out(edges.size(), true);

@@ -71,19 +71,20 @@ def native() -> ModuleType | None:
         return _module
     with _lock:
         if not _tried:
-            _load(build_if_missing=True)
+            _load()
     return _module
 
 
 def build() -> Path:
-    """Build (or find) the native module now; its path. Raises where it cannot be built."""
+    """Build (or find) the native module now, even where an earlier build failed; its path.
+    Raises where it cannot be built."""
     global _module, _tried
     with _lock:
-        _module, _tried = _import_or_build(), True
+        _module, _tried = _import_or_build(retry=True), True
     return Path(str(_module.__file__))
 
 
-def _load(*, build_if_missing: bool) -> None:
+def _load() -> None:
     global _module, _tried
     try:
         if os.environ.get("GRADMAP_NATIVE", "1") == "0":
@@ -103,7 +104,7 @@ def _load(*, build_if_missing: bool) -> None:
         _tried = True
 
 
-def _import_or_build() -> ModuleType:
+def _import_or_build(*, retry: bool = False) -> ModuleType:
     name = _name()
     where = cache_dir() / name
     built = where / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
@@ -111,29 +112,43 @@ def _import_or_build() -> ModuleType:
     for path in (built, plain):
         if path.exists():
             return _import(name, path)
+    failed = where / "FAILED"  # a build that failed is not tried again by every process
+    if failed.exists() and not retry:
+        raise RuntimeError(f"an earlier build failed ({failed}); `gradmap build` tries again")
     where.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build(name, where)
+    except Exception as exc:
+        failed.write_text(f"{type(exc).__name__}: {exc}\n")
+        raise
+
+
+def _build(name: str, where: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
+    path = os.environ.get("PATH", "")
     if shutil.which("ninja") is None:  # pip's ninja, in a virtual environment not activated
         try:
             import ninja
 
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
         except ImportError:
             pass
-
     print(
-        f"gradmap: building its native graph walk into {where} (once; about 20 s)",
+        f"gradmap: building its native graph walk into {where} (once; about 25 s)",
         file=sys.stderr,
         flush=True,
     )
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(_SOURCE)],
-        build_directory=str(where),
-        extra_cflags=["-O2"],
-        verbose=False,
-    )
+    try:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            build_directory=str(where),
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
+    finally:
+        os.environ["PATH"] = path  # the process's environment as it was
     return module  # type: ignore[no-any-return]
 
 
