@@ -307,11 +307,13 @@ def pull_back_sum(
     *,
     n: int,
     owner: object,
+    keep_graph: bool = False,
     api: str = "gradmap.tmap",
 ) -> list[Tensor | None] | None:
     """The gradients of the sum of a chunk whose outputs are 0-d (its losses), with cotangent
-    one, through the stored graph, which it frees: one root (the stacked sum) instead of one per
-    element, which costs the engine less and holds the GIL for less Python.
+    one, through the stored graph, which it frees unless ``keep_graph`` (whoever drops the record's
+    graph later then frees it): one root (the stacked sum) instead of one per element, which
+    costs the engine less and holds the GIL for less Python.
 
     Returns:
         The gradients; or ``DEFERRED`` if the pullback failed: the graph is dropped, and the
@@ -334,7 +336,7 @@ def pull_back_sum(
             [torch.ones_like(t) for t in roots],
             create_graph=False,
             owner=owner,
-            retain=bool(record.boundary.nodes),
+            retain=keep_graph or bool(record.boundary.nodes),
         )
     except Exception as exc:
         record.drop_graph()  # partly freed
