@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 import time
 
@@ -170,6 +171,14 @@ def _calls(f, count):
     return [placement_for(f, forced_many=False, forced_one=False) for _ in range(count)]
 
 
+#: Placement measures only where the GIL makes one thread faster (NOTE [forward placement]).
+GIL_ONLY = pytest.mark.skipif(
+    not getattr(sys, "_is_gil_enabled", lambda: True)(),
+    reason="free-threaded CPython: forwards always use the pool",
+)
+
+
+@GIL_ONLY
 def test_placement_measures_one_thread_then_the_pool_then_one_thread():
     def f(x):  # a new code object: no history yet
         return x
@@ -186,6 +195,7 @@ def test_placement_measures_one_thread_then_the_pool_then_one_thread():
     assert not placement_for(f, forced_many=False, forced_one=False).many
 
 
+@GIL_ONLY
 def test_placement_keeps_the_pool_for_a_faster_forward_and_remeasures():
     def g(x):
         return x

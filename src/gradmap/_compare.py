@@ -263,6 +263,8 @@ def _timed_as_is(run: Callable[[], Any]) -> tuple[float, float, list[Any]]:
 def _leaves(loss: Any) -> list[Any]:
     """The leaves that require grad the loss reaches, in a fixed order."""
     seen: set[int] = set()
+    found: set[int] = set()
+    kept: list[Any] = []
     leaves = []
     stack = [loss.grad_fn]
     while stack:
@@ -270,8 +272,11 @@ def _leaves(loss: Any) -> list[Any]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        kept.append(node)  # (so that no id is reused meanwhile)
         variable = getattr(node, "variable", None)
-        if variable is not None:
+        # By the tensor: a node may come with a new Python wrapper each time (free-threaded).
+        if variable is not None and id(variable) not in found:
+            found.add(id(variable))
             leaves.append(variable)
         stack.extend(child for child, _ in node.next_functions)
     leaves.sort(key=id)  # the same tensor objects whichever candidate built the graph
