@@ -92,29 +92,34 @@ struct Entry {
   intptr_t key;  // the leaf's TensorImpl, or the outside node
   int64_t nr;  // -1 for a leaf, else the edge's input number
   at::Tensor tensor;  // the join's input: the leaf, or a stand-in on the outside edge
-  at::Tensor input;  // what the chunk's autograd.grad takes: a tensor on the gate's edge
+  at::Tensor input;  // what the chunk's autograd.grad takes: the leaf, or a tensor on its gate
+};
+
+// Where an edge of the chunk lies: the edge ``index`` of ``node`` (an output when null).
+struct Place {
+  Node* node;
+  size_t index;
 };
 
 struct Walk {
   uint64_t thread, lo, hi;
   std::vector<Entry> entries;
+  std::unordered_map<const Node*, size_t> leaf_entries;  // by accumulator
   std::map<std::pair<const Node*, uint32_t>, NodePtr> gates;
   std::unordered_set<const Node*> seen;
   std::vector<Node*> stack;
+  std::vector<Place> to_leaves;  // edges to leaves, gated only if the chunk has non-leaf edges
+  bool non_leaf = false;
 
-  // The gate for the outside edge (node, nr), made (with its boundary entry) on first sight.
+  // The gate for the outside edge (node, nr), made on first sight (with its boundary entry, or
+  // on the leaf's entry).
   NodePtr gate(const NodePtr& node, uint32_t nr) {
     auto& g = gates[{node.get(), nr}];
     if (!g) {
       const auto& meta = node->input_metadata(nr);
       g = make_gate(Edge(node, nr), meta);
       if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get())) {
-        const auto& leaf = acc->variable;
-        entries.push_back(
-            {reinterpret_cast<intptr_t>(leaf.unsafeGetTensorImpl()),
-             -1,
-             leaf,
-             torch::autograd::make_variable(leaf.variable_data(), Edge(g, 0))});
+        entries[leaf(acc)].input = torch::autograd::make_variable(acc->variable, Edge(g, 0));
       } else {
         auto data = stand_in(meta);
         entries.push_back(
@@ -122,13 +127,25 @@ struct Walk {
              static_cast<int64_t>(nr),
              torch::autograd::make_variable(data, Edge(node, nr)),
              torch::autograd::make_variable(data, Edge(g, 0))});
+        non_leaf = true;
       }
     }
     return g;
   }
 
-  // Whether an edge leads out of the chunk (and must be gated); an inner node is queued.
-  bool leaves_chunk(const Edge& edge) {
+  // The entry of the leaf ``acc`` accumulates into, made on first sight.
+  size_t leaf(AccumulateGrad* acc) {
+    auto [it, made] = leaf_entries.emplace(acc, entries.size());
+    if (made) {
+      const auto& v = acc->variable;
+      entries.push_back({reinterpret_cast<intptr_t>(v.unsafeGetTensorImpl()), -1, v, v});
+    }
+    return it->second;
+  }
+
+  // Whether an edge leads out of the chunk and must be gated now; an inner node is queued, and
+  // an edge to a leaf without hooks is noted at ``place`` (gated at the end if need be).
+  bool leaves_chunk(const Edge& edge, Place place) {
     Node* child = edge.function.get();
     if (is_inner(child, thread, lo, hi)) {
       if (seen.insert(child).second) {
@@ -137,23 +154,52 @@ struct Walk {
       return false;
     }
     if (auto* acc = dynamic_cast<AccumulateGrad*>(child)) {
-      return acc->variable.defined();  // (a released accumulator takes nothing: left as it is)
+      if (!acc->variable.defined()) {
+        return false;  // a released accumulator takes nothing: left as it is
+      }
+      if (!torch::autograd::impl::hooks(acc->variable).empty()) {
+        return true;  // captured there, its hooks would run in the pullback
+      }
+      leaf(acc);
+      to_leaves.push_back(place);
+      return false;
     }
     return true;
   }
 };
+
+// Point the edge at ``place`` to ``to`` (keeping a CopySlices node's inner node in step).
+void rewire(Place place, Edge to) {
+  auto& next = place.node->next_edges();
+  next[place.index] = to;
+  // An in-place write into a view (``buffer[i] = y``) keeps the in-place op's node inside its
+  // CopySlices node, whose edges past the first must stay the same as its own.
+  auto* copy = dynamic_cast<torch::autograd::CopySlices*>(place.node);
+  if (copy != nullptr && place.index > 0 && copy->fn &&
+      place.index < copy->fn->next_edges().size()) {
+    copy->fn->next_edges()[place.index] = std::move(to);
+  }
+}
 
 py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi) {
   Walk w{at::RecordFunction::currentThreadId(), lo, hi};
   std::vector<std::pair<size_t, at::Tensor>> roots;  // outputs replaced by a gated alias
   {
     py::gil_scoped_release no_gil;  // the walk touches no Python object
+    std::vector<size_t> leaf_roots;  // outputs that are leaves without hooks
     for (size_t i = 0; i < outputs.size(); ++i) {
       const auto& t = outputs[i];
       auto edge = torch::autograd::impl::gradient_edge(t);  // a leaf's accumulator, if a leaf
-      if (edge.function && w.leaves_chunk(edge)) {
+      if (!edge.function) {
+        continue;
+      }
+      auto noted = w.to_leaves.size();
+      if (w.leaves_chunk(edge, Place{nullptr, i})) {
         auto g = w.gate(edge.function, edge.input_nr);
-        roots.emplace_back(i, torch::autograd::make_variable(t.variable_data(), Edge(g, 0)));
+        roots.emplace_back(i, torch::autograd::make_variable(t, Edge(g, 0)));
+      } else if (w.to_leaves.size() > noted) {
+        w.to_leaves.pop_back();
+        leaf_roots.push_back(i);
       }
     }
     while (!w.stack.empty()) {
@@ -161,16 +207,25 @@ py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi)
       w.stack.pop_back();
       auto& next = node->next_edges();
       for (size_t i = 0; i < next.size(); ++i) {
-        auto& edge = next[i];
-        if (edge.is_valid() && w.leaves_chunk(edge)) {
-          edge = Edge(w.gate(edge.function, edge.input_nr), 0);
-          // An in-place write into a view (``buffer[i] = y``) keeps the in-place op's node
-          // inside its CopySlices node, whose edges past the first must stay the same as its own.
-          auto* copy = dynamic_cast<torch::autograd::CopySlices*>(node);
-          if (copy != nullptr && i > 0 && copy->fn && i < copy->fn->next_edges().size()) {
-            copy->fn->next_edges()[i] = edge;
-          }
+        const auto& edge = next[i];
+        if (edge.is_valid() && w.leaves_chunk(edge, Place{node, i})) {
+          rewire(Place{node, i}, Edge(w.gate(edge.function, edge.input_nr), 0));
         }
+      }
+    }
+    // NOTE [leaves gated only past a non-leaf]: an edge to a leaf needs no gate unless the chunk
+    // also reaches a non-leaf made elsewhere: asked for at its accumulator, the leaf would make
+    // the engine run the graph behind that non-leaf's gate to reach it (through the tensor made
+    // from it), counting that path twice. Otherwise nothing lies behind a leaf to run.
+    if (w.non_leaf) {
+      for (const auto& place : w.to_leaves) {
+        const auto& edge = place.node->next_edges()[place.index];
+        rewire(place, Edge(w.gate(edge.function, edge.input_nr), 0));
+      }
+      for (auto i : leaf_roots) {
+        auto edge = torch::autograd::impl::gradient_edge(outputs[i]);
+        auto g = w.gate(edge.function, edge.input_nr);
+        roots.emplace_back(i, torch::autograd::make_variable(outputs[i], Edge(g, 0)));
       }
     }
   }

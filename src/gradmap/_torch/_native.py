@@ -10,13 +10,18 @@ NOTE [the native walk]:
     heap, and a node made by any other thread (the caller, another chunk, a thread of ``f``'s own)
     is never walked through.
 
-    Every edge from the chunk's nodes into a non-leaf made elsewhere (a tensor computed before the
+    Every edge from the chunk's nodes to a non-leaf made elsewhere (a tensor computed before the
     call, an item cut from a tensor) is rewired through a *gate*: a node of the chunk's own that
-    passes gradients on, except in a graph task that asked for the gate's gradient as an input --
-    a chunk pullback -- where it passes nothing, so the graph behind the boundary runs once, in
-    the caller's backward, with the summed gradient (NOTE [nothing past the boundary]). The gate
+    passes gradients on. The chunk's pullback asks for the gates' gradients: the engine captures
+    them there and, since nothing it was asked for lies behind a gate, runs nothing past it, so
+    the graph behind the boundary runs once, in the caller's backward, with the summed gradient,
+    and the boundary tensors' own hooks (``register_hook``, ``retain_grad``) run there once, as
+    in the loop. Edges to leaves are gated too where the chunk has such a non-leaf edge (else
+    asking for a leaf at its accumulator would make the engine run the graph behind the gate to
+    reach it, through the tensor made from it) or where the leaf has hooks; otherwise a leaf is
+    asked for as it is (NOTE [leaves gated only past a non-leaf] in ``_native.cpp``). A gate
     touches no shared node (no hooks to add or remove on a node other maps may be pulling back
-    through), and the join takes, for that edge, a stand-in tensor on the edge itself (an
+    through), and the join takes, for a non-leaf edge, a stand-in tensor on the edge itself (an
     expanded zero of the edge's shape: one element of memory).
 
     Built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) the first time a map
