@@ -65,6 +65,7 @@ def test_quick_run_reports_every_variant_and_matching_gradients(tmp_path, capsys
     for name in VARIANT_NAMES:
         assert f" {name}" in captured.out
     assert "small_bags (N=16)" in captured.err  # progress
+    assert "gradmap's own cost, serial forward / loop1 forward: small_bags " in captured.out
     record = json.loads(path.read_text())
     assert record["config"]["quick"] is True
     assert record["environment"]["torch"] == torch.__version__

@@ -9,7 +9,7 @@ from typing import Any
 
 from gradmap.bench.runner import BenchResult, VariantResult, WorkloadResult
 
-__all__ = ["format_overhead", "format_table", "to_json", "write_json"]
+__all__ = ["format_overhead", "format_own_cost", "format_table", "to_json", "write_json"]
 
 _HEADER = (
     f"{'workload':<12} {'N':>6} {'us/elem':>8} {'cores':>5} {'thr':>3}  {'variant':<11} "
@@ -84,10 +84,29 @@ def format_table(result: BenchResult) -> str:
     for workload in result.workloads:
         for i, variant in enumerate(workload.variants.values()):
             lines.append(_row(workload, variant, env, first=i == 0))
+    own = format_own_cost(result)
+    if own:
+        lines += ["", own]
     overhead = format_overhead(result)
     if overhead:
         lines += ["", overhead]
     return "\n".join(lines)
+
+
+def format_own_cost(result: BenchResult) -> str:
+    """gradmap's own work in the forward, per workload: the ``serial`` variant's forward (the
+    loop plus the map's bookkeeping, in the caller's thread) over ``loop1``'s; empty unless both
+    ran."""
+    parts = []
+    for workload in result.workloads:
+        serial, loop1 = workload.variants.get("serial"), workload.variants.get("loop1")
+        if serial is None or loop1 is None or not serial.fwd_s or not loop1.fwd_s:
+            continue
+        ratio = serial.median_fwd_s / loop1.median_fwd_s
+        parts.append(f"{workload.name} {ratio:.2f}x")
+    if not parts:
+        return ""
+    return "gradmap's own cost, serial forward / loop1 forward: " + ", ".join(parts)
 
 
 def format_overhead(result: BenchResult) -> str:
