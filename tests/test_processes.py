@@ -1059,3 +1059,61 @@ def test_shutdown_leaves_no_process_and_restarts(ex):
     assert not set(fresh) & set(pids)
     ex.shutdown()
     assert all(_gone(pid) for pid in fresh)
+
+
+_MAIN_SCRIPT = """
+import torch, gradmap
+from torch import nn
+
+P = nn.Parameter(torch.ones(3))
+SCALE = 1.0
+
+
+class Net(nn.Module):
+    def forward(self, x):
+        return (x * P * SCALE).sum()
+
+
+net = Net()
+xs = [torch.randn(3) for _ in range(8)]
+
+
+def loop_grad():
+    P.grad = None
+    sum(net(x) for x in xs).backward()
+    return P.grad.clone()
+
+
+before = loop_grad()
+forward = Net.forward
+for api in ("tmap", "tsum"):
+    if api == "tmap":
+        total = torch.stack(gradmap.tmap(net, xs, executor="processes", chunksize=1)).sum()
+    else:
+        total = gradmap.tsum(net, xs, executor="processes", chunksize=1)
+    P.grad = None
+    total.backward()
+    assert torch.allclose(P.grad, before), (api, P.grad, before)
+    assert Net.forward is forward and Net.forward.__globals__ is globals(), api
+    assert torch.equal(loop_grad(), before), api  # the loop after a map: as before it
+SCALE = 2.0  # a script setting changed later is seen by the loop and by the map
+assert torch.allclose(loop_grad(), 2 * before)
+P.grad = None
+gradmap.tsum(net, xs, executor="processes", chunksize=1).backward()
+assert torch.allclose(P.grad, 2 * before)
+print("ok")
+"""
+
+
+def test_a_map_leaves_the_callers_own_classes_as_they_are(tmp_path):
+    """A class of the user's script whose method reads a global parameter: after maps on
+    processes (the caller running chunks too), the class, its methods and their globals are the
+    script's own, and the loop's gradients are what they were (a fresh interpreter)."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(_MAIN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -38,6 +38,8 @@ NOTE [the caller works too]:
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -85,6 +87,10 @@ class LocalHost(Host):
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
         return self._kept_function(box.digest, lambda: box.payload, PAYLOADS_KEPT)
 
+    def loads_payload(self, payload: bytes, leaves: LeafTable) -> Any:
+        with _fresh_classes():
+            return super().loads_payload(payload, leaves)
+
     def run(self, method: str, args: tuple[Any, ...]) -> Any:
         """``method(*args)`` in this thread, as a worker would run it."""
         with self.lock, SEEDING:
@@ -103,6 +109,36 @@ class LocalHost(Host):
                 if threads != 1:
                     torch.set_num_threads(threads)
                 generator.set_state(state)
+
+
+_tracker_lock = threading.Lock()
+
+
+@contextmanager
+def _fresh_classes() -> Iterator[None]:
+    """While the caller unpickles ``f``'s payload: the classes cloudpickle sent by value (those of
+    the user's script, ``__main__``) load as fresh copies, as in a worker.
+
+    cloudpickle looks a class sent by value up in the process that pickled it and sets the
+    pickled attributes on the class it finds: in the caller that is the user's own class, whose
+    methods would then be copies reading copies of the script's globals -- for the rest of the
+    process, the loop included (a global parameter used in ``forward`` got no gradient). The
+    lookup is turned off for the length of the unpickling; another thread unpickling with
+    cloudpickle meanwhile would get copies too.
+    """
+    from cloudpickle import cloudpickle as cp
+
+    with _tracker_lock:
+        lookup = cp._lookup_class_or_track
+        cp._lookup_class_or_track = _untracked
+        try:
+            yield
+        finally:
+            cp._lookup_class_or_track = lookup
+
+
+def _untracked(class_tracker_id: Any, class_def: Any) -> Any:
+    return class_def
 
 
 _host_of_process: LocalHost | None = None

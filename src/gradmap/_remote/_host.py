@@ -202,13 +202,17 @@ class Host:
         entry = functions.get(digest)
         if entry is None:
             leaves = LeafTable()
-            entry = functions[digest] = (loads(payload(), leaves), leaves)
+            entry = functions[digest] = (self.loads_payload(payload(), leaves), leaves)
             while len(functions) > kept:
                 functions.popitem(last=False)
         else:
             functions.move_to_end(digest)
         f, leaves = entry
         return f, leaves.copy()
+
+    def loads_payload(self, payload: bytes, leaves: LeafTable) -> Any:
+        """``f`` unpickled from its payload."""
+        return loads(payload, leaves)
 
     # -- small methods ---------------------------------------------------------------------
 
