@@ -743,6 +743,23 @@ def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
     assert not torch.equal(p_draws[0][0], p_draws[1][0])
 
 
+def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
+    """Under no_grad too, each element draws from its own seed: the same values as threads and
+    serial, and the same in every run with the same seed (a worker did not seed there)."""
+    xs = _ragged(grad=False)
+    f = lambda x: x.sum(0) + torch.rand(4)  # noqa: E731
+
+    def run(executor: Any) -> torch.Tensor:
+        torch.manual_seed(3)
+        with torch.no_grad():
+            return torch.stack(gradmap.tmap(f, xs, executor=executor, chunksize=3))
+
+    first, second = run(ex), run(ex)
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(first, run("threads"))
+    torch.testing.assert_close(first, run("serial"))
+
+
 def test_random_tsum_matches_threads(ex):
     xs = _ragged(grad=False)
     w = torch.randn(4, requires_grad=True)

@@ -33,7 +33,7 @@ from typing import Any, NoReturn, cast
 
 import torch
 
-from .._errors import add_note, element_note
+from .. import _tree
 from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
 from .._torch._graph import Known
 from .._torch._random import SEEDING, MapRandom
@@ -259,16 +259,10 @@ class Host:
     def _forward(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
         spec = state.spec
         local = cast(list, loads(items, state.leaves))
-        indices = range(start, start + len(local))
-        if not spec.graph:
+        if not spec.graph:  # seeded per element as with a graph: the same draws either way
             with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
-                results = []
-                for i, args in zip(indices, local):
-                    try:
-                        results.append(state.f(*args))
-                    except BaseException as exc:
-                        add_note(exc, element_note(i, spec.n, "forward", state.api))
-                        raise
+                plain = _run(state, start, local, graph=False)
+            results = [_tree.unflatten(el.leaves, el.spec) for el in plain.elements]
             if not self._process:  # as pickling would: no leaf of this host reaches the caller
                 results = [_detached_all(y) for y in results]
             return self._out((results, None, [], False))
@@ -463,14 +457,15 @@ def _cotangents(payload: Any, leaves: LeafTable) -> Any:
     return loads(payload, leaves)
 
 
-def _run(state: _CallState, start: int, local: list[Any]) -> ChunkRecord:
-    """A chunk's forward (the chunk record's), its elements indexed as in the whole map."""
+def _run(state: _CallState, start: int, local: list[Any], *, graph: bool = True) -> ChunkRecord:
+    """A chunk's forward (the chunk record's), its elements indexed as in the whole map; its
+    boundary read only with ``graph``."""
     window = cast(list, _Window(local, start, state.spec.n))
     return run_forward(
         state.f,
         window,
         range(start, start + len(local)),
-        known=state.known,
+        known=state.known if graph else None,
         random=state.seed,
         api=state.api,
     )
