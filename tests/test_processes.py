@@ -584,6 +584,25 @@ def test_remat_matches_loop(ex, api):
     _close(torch.autograd.grad(loss, s.tensors()), torch.autograd.grad(ref, s.tensors()))
 
 
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_remat_applies_buffer_updates_once(ex, api):
+    """BatchNorm in train mode counts its batches in a buffer, which workers update in shared
+    memory: the forward counts each element once, as the loop does, and the recompute does
+    not count again."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3)
+    xs = [torch.randn(2 + i % 3, 3, requires_grad=True) for i in range(10)]
+    f = lambda x: (bn(x) ** 2).sum()  # noqa: E731
+    if api == "tmap":
+        loss = sum(gradmap.tmap(f, xs, executor=ex, chunksize=2, remat=True))
+    else:
+        loss = gradmap.tsum(f, xs, executor=ex, chunksize=2, remat=True)
+    assert bn.num_batches_tracked.item() == len(xs)
+    loss.backward()
+    assert bn.num_batches_tracked.item() == len(xs)
+    assert all(x.grad is not None for x in xs)
+
+
 # -- shared memory: never stale ---------------------------------------------------------------
 
 

@@ -64,7 +64,7 @@ from .._executors import RemoteExecutor, SerialExecutor
 from .._join import sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
-from .._torch._graph import keep_graph
+from .._torch._graph import buffers_kept, keep_graph
 from .._torch._graph import transforms_active as _transforms_active
 from .._torch._rule import map_torch, sum_results
 from .._torch._state import ThreadState
@@ -93,6 +93,7 @@ class _Call:
 
     def __init__(
         self,
+        f: Any,
         transport: Transport,
         f_payload: bytes,
         spec: CallSpec,
@@ -111,6 +112,7 @@ class _Call:
         self.timeout = executor.timeout
         self.restart_timeout = executor.start_timeout
         self.remat = remat
+        self.f = f if remat else None  # whose buffers the recomputes must leave as they are
         self.progress = progress
         self.box = transport.box(f_payload)
         self.elements: list[tuple[Any, ...]] = []
@@ -256,8 +258,11 @@ class _Call:
                 bar.update(stop - start)
 
         try:
-            if jobs:
-                self._run(jobs, submit, on_result)
+            # Workers update the caller's buffers in shared memory (BatchNorm's running
+            # statistics): the forward did, once; the recomputes must not again.
+            with buffers_kept(self.f):
+                if jobs:
+                    self._run(jobs, submit, on_result)
         finally:
             if bar is not None:
                 bar.close()
@@ -349,7 +354,7 @@ def map_remote(
             "executor='threads'",
         )
         raise
-    call = _Call(transport, f_payload, spec, table, plan, executor, remat, progress)
+    call = _Call(f, transport, f_payload, spec, table, plan, executor, remat, progress)
     try:
         per_chunk = call.forward(elements, "forward_sum" if summed and graph else "forward")
     except BaseException:

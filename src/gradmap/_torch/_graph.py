@@ -428,6 +428,30 @@ def modules_of(f: Any) -> list[torch.nn.Module]:
     return found
 
 
+@contextmanager
+def buffers_kept(f: Any) -> Iterator[None]:
+    """Around a pass that recomputes ``f``: buffers its modules update (BatchNorm running
+    statistics) keep the values the forward left, so updates are not applied twice. Worker
+    processes update the caller's buffers in shared memory, so this holds for them too when the
+    caller wraps their whole pass."""
+    saved = []
+    if f is not None:
+        for module in modules_of(f):
+            for b in module.buffers():
+                saved.append((b, b._version, b.detach().clone()))
+    try:
+        yield
+    finally:
+        # Only buffers the recompute changed (BatchNorm's kernel updates its statistics
+        # without bumping their version): writing back an unchanged one would bump its
+        # version, and a double backward through an eval-mode BatchNorm, which saved its
+        # running statistics, would then refuse them as modified in place.
+        with torch.no_grad():
+            for b, version, value in saved:
+                if b._version != version or not torch.equal(b, value):
+                    b.copy_(value)
+
+
 def _collect(
     obj: Any,
     found: list[Any],

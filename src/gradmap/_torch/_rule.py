@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -52,10 +52,10 @@ from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum,
 from ._graph import (
     BlockHooks,
     Known,
+    buffers_kept,
     hooked,
     hooks_quiet,
     keep_graph,
-    modules_of,
     needed,
     plain_backward,
     retains_grad,
@@ -196,27 +196,6 @@ class MapCall:
                 self.f, self.elements, indices, known=self.known, random=seeded_by, api=self.api
             )
 
-    @contextmanager
-    def buffers_kept(self) -> Iterator[None]:
-        """Around a pass that recomputes: buffers ``f``'s modules update (BatchNorm running
-        statistics) keep the values the forward left, so updates are not applied twice."""
-        saved = []
-        if self.f is not None:
-            for module in modules_of(self.f):
-                for b in module.buffers():
-                    saved.append((b, b._version, b.detach().clone()))
-        try:
-            yield
-        finally:
-            # Only buffers the recompute changed (BatchNorm's kernel updates its statistics
-            # without bumping their version): writing back an unchanged one would bump its
-            # version, and a double backward through an eval-mode BatchNorm, which saved its
-            # running statistics, would then refuse them as modified in place.
-            with torch.no_grad():
-                for b, version, value in saved:
-                    if b._version != version or not torch.equal(b, value):
-                        b.copy_(value)
-
     def free(self) -> None:
         self.f = self.elements = None
         self.known = None
@@ -329,7 +308,7 @@ class _MapGraph:
         gated = call.gated
         serial = _CALLER if not gated and retains_grad(layout.inputs) else None
         quiet = nullcontext() if gated else hooks_quiet(layout.inputs)
-        with quiet, call.buffers_kept() if recomputes else nullcontext():
+        with quiet, buffers_kept(call.f) if recomputes else nullcontext():
             per_chunk = call.run_pass(
                 "backward",
                 backward_chunk,
