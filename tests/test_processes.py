@@ -1153,3 +1153,92 @@ def test_a_map_leaves_the_callers_own_classes_as_they_are(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_SETTINGS_MODULE = """
+import torch
+from torch import nn
+
+SCALE = 1.0
+CONF = {"k": 1.0}
+
+
+def _scaled(x):
+    return x * SCALE * CONF["k"]
+
+
+def f(x):
+    return torch.tanh(_scaled(x)).sum()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.lin(_scaled(x)).sum()
+"""
+
+_SETTINGS_SCRIPT = """
+import functools, sys
+import torch, gradmap
+import settings_mod as m
+from gradmap import WorkerViewError
+
+xs = [torch.randn(2, 3, requires_grad=True) for _ in range(8)]
+net = m.Net()
+ex = gradmap.ProcessExecutor(workers=2, caller_helps=False)  # every chunk on a worker
+run = functools.partial(gradmap.tmap, executor=ex, chunksize=1)
+for fn in (m.f, net, net.forward):
+    assert torch.allclose(torch.stack(run(fn, xs)), torch.stack([fn(x) for x in xs]))
+    m.SCALE = 3.0  # changed at run time: the workers imported 1.0
+    for api in (gradmap.tmap, gradmap.tsum):
+        try:
+            api(fn, xs, executor=ex, chunksize=1)
+        except WorkerViewError as e:
+            assert "settings_mod.SCALE is 3.0 in the caller but 1.0" in str(e), e
+            assert "closure value" in str(e), e
+        else:
+            sys.exit(f"no error from {api.__name__} on {fn!r}")
+    m.SCALE = 1.0
+    m.CONF["k"] = 2.0  # a setting changed in place
+    try:
+        run(fn, xs)
+    except WorkerViewError as e:
+        assert "settings_mod.CONF is {'k': 2.0} in the caller" in str(e), e
+    else:
+        sys.exit(f"no error for CONF on {fn!r}")
+    m.CONF["k"] = 1.0
+ex.shutdown()
+print("ok")
+"""
+
+
+def test_module_settings_changed_at_run_time_are_named(tmp_path):
+    """A function of an importable module (and a module's methods) reading a module setting the
+    caller changed at run time: the workers imported the module anew, so the map raises, naming
+    the setting and the fix, instead of giving other results than the loop (a fresh
+    interpreter)."""
+    import subprocess
+
+    (tmp_path / "settings_mod.py").write_text(_SETTINGS_MODULE)
+    script = tmp_path / "script.py"
+    script.write_text(_SETTINGS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        done.stdout[-2000:] + done.stderr[-3000:]
+    )
+
+
+def test_settings_read_are_listed_cheaply():
+    """What the caller lists: plain data read through globals by functions sent by reference
+    (not those sent by value, nor the standard library's or torch's)."""
+    from gradmap._remote._settings import settings_of
+
+    assert settings_of(lambda x: x * 2) == ()
+    assert settings_of(torch.nn.Linear(2, 2)) == ()
+    assert settings_of(_on) == ()  # this test module is importable, but reads no plain data

@@ -23,6 +23,8 @@ __all__ = [
     "FuturesExecutor",
     "ProcessExecutor",
     "RayExecutor",
+    "WorkerViewError",
+    "ForeignTensorError",
 ]
 
 #: Public name -> the module that defines it.
@@ -37,6 +39,8 @@ _LAZY = {
     "FuturesExecutor": "._executors",
     "ProcessExecutor": "._process",
     "RayExecutor": "._ray",
+    "WorkerViewError": "._remote._settings",
+    "ForeignTensorError": "._remote._host",
 }
 
 if TYPE_CHECKING:
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from ._executors import ThreadExecutor as ThreadExecutor
     from ._process import ProcessExecutor as ProcessExecutor
     from ._ray import RayExecutor as RayExecutor
+    from ._remote._host import ForeignTensorError as ForeignTensorError
+    from ._remote._settings import WorkerViewError as WorkerViewError
 
 
 def __getattr__(name: str) -> Any:

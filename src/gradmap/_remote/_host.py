@@ -39,6 +39,7 @@ from .._torch._graph import Known
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
 from ._pickling import AsIs, LeafTable, dumps_results, loads
+from ._settings import Setting, check_settings
 
 __all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "draw_base", "in_worker"]
 
@@ -101,6 +102,8 @@ class CallSpec:
         graph: record graphs (grad mode on, not inference).
         remat: keep no graph in the forward.
         api: ``"gradmap.tmap"`` or ``"gradmap.tsum"``, for errors.
+        settings: the module settings ``f`` reads, as the caller sees them (NOTE [settings a
+            worker imports anew]).
     """
 
     n: int
@@ -110,6 +113,7 @@ class CallSpec:
     graph: bool
     remat: bool
     api: str = "gradmap.tmap"
+    settings: tuple[Setting, ...] = ()
 
 
 def _default_dtype(dtype: torch.dtype) -> AbstractContextManager[None]:
@@ -234,6 +238,8 @@ class Host:
             f, leaves = self.load_f(box)
             known = Known(f, (), eager=False)
             api = f"{spec.api}(executor={self.executor!r})"
+            if self._process:  # the caller's own host shares the caller's modules
+                check_settings(spec.settings, api)
             state = _CallState(f, spec, leaves, ShippedSeed(spec.seed_base), known, api)
             self._calls[call_id] = state
         self._check_threads()

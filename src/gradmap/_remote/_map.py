@@ -72,6 +72,7 @@ from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker
 from ._pickling import AsIs, TensorTable, dumps, dumps_results, loads_results
 from ._schedule import Job, Transport, run_pass
+from ._settings import settings_of
 
 __all__ = ["map_remote"]
 
@@ -341,6 +342,7 @@ def map_remote(
         graph=graph,
         remat=remat,
         api=api,
+        settings=settings_of(f),
     )
     table = TensorTable(executor.share)
     name = f"{api}(executor={transport.name!r})"
