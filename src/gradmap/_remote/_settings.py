@@ -7,15 +7,16 @@ values. A setting the caller changed at run time (``mymod.SCALE = 3.0``, ``mymod
 2``) is then another value in the workers than in the loop, and the results differ silently (the
 caller's own chunks see the caller's value, so even one map mixes both). Tensors that require
 grad are caught by the worker's boundary (``ForeignTensorError``); plain data is not, so the
-caller lists, per call, the plain-data globals that the functions it can see read: ``f`` (or
-its ``__call__``/``forward`` and the other methods of its classes and of its submodules'
-classes) and the functions of the same kind those name, a few levels deep, each as
-``(module, name, repr(value))``. A worker compares them with its own modules once per call and
-raises ``WorkerViewError`` naming each setting that differs and the fix (an argument or closure
-value, or ``cloudpickle.register_pickle_by_value``). Functions sent by value (``__main__``,
-closures, lambdas, registered modules) carry their globals' current values and are not
-listed. What a function reaches only through an object attribute or another module's helper
-outside the listed functions is not checked: the README says how to pass settings.
+caller lists, per call, the plain-data globals that the functions it can see read: ``f`` (or its
+``__call__``/``forward`` and the other methods of its classes and of its submodules' classes)
+and the functions of the same kind those name, a few levels deep, each as ``(module, name,
+repr(value))``. A global those functions assign (``global n; n += 1``) is state they keep, not a
+setting, and is left out. A worker compares them with its own modules once per call and raises
+``WorkerViewError`` naming each setting that differs and the fix (an argument or closure value,
+or ``cloudpickle.register_pickle_by_value``). Functions sent by value (``__main__``, closures,
+lambdas, registered modules) carry their globals' current values and are not listed. What a
+function reaches only through an object attribute or another module's helper outside the listed
+functions is not checked: the README says how to pass settings.
 """
 
 from __future__ import annotations
@@ -184,16 +185,27 @@ def _by_reference(obj: Any) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _names(code: types.CodeType) -> tuple[str, ...]:
-    """The global names ``code`` and the code nested in it (lambdas, comprehensions) load."""
-    names = {
-        ins.argval
-        for ins in dis.get_instructions(code)
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(ins.argval, str)
-    }
+    """The global names ``code`` and the code nested in it (lambdas, comprehensions) load and
+    do not assign (a global the function assigns is state it keeps, such as a counter, not a
+    setting)."""
+    loads, stores = _uses(code)
+    return tuple(sorted(loads - stores))
+
+
+def _uses(code: types.CodeType) -> tuple[set[str], set[str]]:
+    loads: set[str] = set()
+    stores: set[str] = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            loads.add(ins.argval)
+        elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            stores.add(ins.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names.update(_names(const))
-    return tuple(sorted(names))
+            inner_loads, inner_stores = _uses(const)
+            loads |= inner_loads
+            stores |= inner_stores
+    return loads, stores
 
 
 def _plain(value: Any, count: list[int]) -> bool:
