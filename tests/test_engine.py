@@ -56,14 +56,30 @@ def test_lowest_failure_wins_and_the_rest_is_not_started():
 
 
 def test_caller_alone_finishes_when_pool_is_busy():
-    """A user pool with one thread, busy: the caller runs every chunk itself."""
+    """A user pool with one thread, busy, passed with ``caller_helps=True``: the caller runs
+    every chunk itself."""
     gate = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(gate.wait)  # occupy the only thread
-        ex = FuturesExecutor(pool, workers=4)
+        ex = FuturesExecutor(pool, workers=4, caller_helps=True)
         out = run_chunks(ex, 8, lambda k, run: threading.current_thread().name)
         gate.set()
     assert set(out) == {threading.current_thread().name}
+
+
+def test_user_pool_runs_every_chunk_and_the_caller_waits():
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="user") as pool:
+        for workers in (None, 1, 2, 5):
+            out = run_chunks(
+                FuturesExecutor(pool, workers), 7, lambda k, run: threading.current_thread().name
+            )
+            assert all(name.startswith("user") for name in out), out
+        # a task of the pool that calls a map works on its chunks (no thread waits on a chunk
+        # nobody started)
+        inner = pool.submit(
+            run_chunks, FuturesExecutor(pool, 2), 4, lambda k, run: threading.current_thread()
+        )
+        assert len(inner.result(10)) == 4
 
 
 def test_context_entered_by_every_thread():
@@ -87,7 +103,7 @@ def test_context_entered_by_every_thread():
         return k
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        run_chunks(FuturesExecutor(pool, workers=2), 4, chunk, context=Ctx)
+        run_chunks(FuturesExecutor(pool, workers=2, caller_helps=True), 4, chunk, context=Ctx)
     assert sorted(entered) == [False, True]
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
 import gradmap
 from gradmap._executors import available_cores, resolve_executor
+
+from support import deadline
 
 
 def test_default_is_shared_threads_on_all_cores():
@@ -23,11 +27,76 @@ def test_serial_has_one_worker_and_reverse_backward():
     assert ex.workers == 1 and ex.reverse_backward
 
 
-def test_user_executor_workers_count_the_caller():
+def test_user_executor_workers_are_its_threads():
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         ex = resolve_executor(pool, None)
-        assert isinstance(ex, gradmap.FuturesExecutor) and ex.workers == 4
+        assert isinstance(ex, gradmap.FuturesExecutor) and ex.workers == 3
+        assert not ex.caller_works()
         assert resolve_executor(pool, 2).workers == 2
+        helping = gradmap.FuturesExecutor(pool, caller_helps=True)
+        assert helping.workers == 4 and helping.caller_works()
+
+
+class _Marked(torch.autograd.Function):
+    """The identity, noting the thread its backward runs in."""
+
+    threads: ClassVar[list[str]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _Marked.threads.append(threading.current_thread().name)
+        return g
+
+
+@pytest.mark.parametrize("workers", [None, 1, 2])
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_user_executor_runs_every_chunk_from_the_first_call(api, workers):
+    """Users pass an executor to set per-thread state: every forward and every pullback of every
+    call runs on its threads, the first call included, with the loop's gradients."""
+    local = threading.local()
+    forwards: list[tuple[str, Any]] = []
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(k % 3 + 1, 3, dtype=torch.float64) for k in range(9)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        forwards.append((threading.current_thread().name, getattr(local, "mark", None)))
+        return (torch.tanh(x * _Marked.apply(w)) ** 2).sum()
+
+    (expected,) = torch.autograd.grad(sum(f(x) for x in xs), w)
+    with concurrent.futures.ThreadPoolExecutor(
+        2, thread_name_prefix="user-pool", initializer=lambda: setattr(local, "mark", "set")
+    ) as pool:
+        for _ in range(3):
+            forwards.clear()
+            _Marked.threads.clear()
+            if api == "tmap":
+                loss = sum(gradmap.tmap(f, xs, executor=pool, workers=workers))
+            else:
+                loss = gradmap.tsum(f, xs, executor=pool, workers=workers)
+            (g,) = torch.autograd.grad(loss, w)
+            torch.testing.assert_close(g, expected)
+            assert len(forwards) == len(xs) and len(_Marked.threads) >= 1
+            assert {mark for _, mark in forwards} == {"set"}
+            assert all(name.startswith("user-pool") for name, _ in forwards), forwards
+            assert all(name.startswith("user-pool") for name in _Marked.threads), _Marked.threads
+
+
+@deadline(60)
+def test_map_called_from_a_task_of_a_one_thread_user_executor():
+    """A task on the user's executor that calls a map on that same executor works on its chunks
+    (the executor's only thread is the task's own): no deadlock, the loop's gradients."""
+    w = torch.ones(3, requires_grad=True)
+
+    def task() -> torch.Tensor:
+        ys = gradmap.tmap(lambda i: (w * i).sum(), range(8), executor=pool, chunksize=1)
+        return torch.autograd.grad(gradmap.tsum(lambda y: y, ys, executor=pool), w)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        torch.testing.assert_close(pool.submit(task).result(30), torch.full((3,), 28.0))
 
 
 def test_user_executor_is_not_shut_down():

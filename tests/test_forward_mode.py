@@ -6,6 +6,11 @@ caller's thread (NOTE [torch.func and forward AD] in the rule), so these compare
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+from typing import Any
+
+import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
@@ -63,3 +68,83 @@ def test_hessian_vector_product_via_double_backward():
         return torch.autograd.grad((g * v).sum(), xs)[0]
 
     torch.testing.assert_close(hvp(mapped), hvp(looped))
+
+
+# -- torch.func inside f, on threads: NOTE [parameters swapped by functional_call] -----------------
+
+
+def _per_sample_model() -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    ).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    scale = torch.ones(1, dtype=torch.float64, requires_grad=True)
+    return model, params, scale
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+@pytest.mark.parametrize("pool", ["threads", "user-pool"])
+def test_functional_call_of_a_shared_module_inside_f_matches_the_loop(api, pool):
+    """Per-sample gradients by ``torch.func.grad(functional_call(model, ...))`` on one shared
+    module: every chunk thread swaps the module's parameters. Without the guard, 2 threads gave
+    other values than the loop in about one call of three and left functorch wrappers in the
+    module."""
+    model, params, scale = _per_sample_model()
+    own = {k: v for k, v in model.named_parameters()}
+    xs = [torch.randn(8, dtype=torch.float64) * (1 + i % 5) for i in range(48)]
+
+    def f(x):
+        def loss(p, x):
+            return (torch.func.functional_call(model, p, (x,)) ** 2).sum()
+
+        g = torch.func.grad(loss)(params, x)
+        return sum((v**2).sum() for v in g.values()) * scale
+
+    expected = torch.stack([f(x) for x in xs])
+    (expected_grad,) = torch.autograd.grad(expected.sum(), scale)
+    with contextlib.ExitStack() as stack:
+        if pool == "threads":
+            kwargs: dict[str, Any] = {"executor": "threads", "workers": 2, "chunksize": 1}
+        else:
+            user = stack.enter_context(concurrent.futures.ThreadPoolExecutor(2))
+            kwargs = {"executor": user, "chunksize": 1}
+        for _ in range(6):
+            if api == "tmap":
+                ys = torch.stack(gradmap.tmap(f, xs, **kwargs))
+                torch.testing.assert_close(ys, expected)
+                total = ys.sum()
+            else:
+                total = gradmap.tsum(f, xs, **kwargs)
+                torch.testing.assert_close(total, expected.sum(0))
+            (g,) = torch.autograd.grad(total, scale)
+            torch.testing.assert_close(g, expected_grad)
+    assert all(p is own[k] for k, p in model.named_parameters())
+
+
+def test_a_map_inside_a_swapped_module_runs_in_its_caller():
+    """A ``tmap`` called inside the forward of a module run by ``functional_call`` on a chunk's
+    thread runs every chunk in that thread: no chunk waits for the swap its caller holds."""
+    model, params, scale = _per_sample_model()
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x):
+            return torch.stack(gradmap.tmap(self.body, list(x), workers=2, chunksize=1)).sum()
+
+    inner = Inner()
+    named = {"body." + k: v for k, v in params.items()}
+    xs = [torch.randn(4, 8, dtype=torch.float64) for _ in range(6)]
+
+    def f(x):
+        return torch.func.functional_call(inner, named, (x,)) * scale
+
+    expected = sum(f(x) for x in xs)
+    got = gradmap.tsum(f, xs, workers=2, chunksize=1)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(
+        torch.autograd.grad(got, scale)[0], torch.autograd.grad(expected, scale)[0]
+    )

@@ -381,13 +381,15 @@ def test_interrupt_at_any_call_in_the_caller_leaves_nothing_behind() -> None:
 
 @deadline(30)
 def test_busy_user_pool_does_not_block() -> None:
-    """A user pool whose only thread is busy: the caller does every chunk itself."""
+    """A user pool whose only thread is busy, passed with ``caller_helps=True``: the caller
+    does every chunk itself."""
     w = torch.ones(3, requires_grad=True)
     release = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         blocker = pool.submit(release.wait, 20)
         try:
-            ys = gradmap.tmap(lambda i: (w * i).sum(), range(20), executor=pool, chunksize=1)
+            helping = gradmap.FuturesExecutor(pool, caller_helps=True)
+            ys = gradmap.tmap(lambda i: (w * i).sum(), range(20), executor=helping, chunksize=1)
             (g,) = torch.autograd.grad(torch.stack(ys).sum(), w)
             torch.testing.assert_close(g, torch.full((3,), 190.0))
         finally:

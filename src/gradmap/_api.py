@@ -178,11 +178,11 @@ class _Call:
             raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
         self.f = f
         self.api = api
-        self.executor = resolve_executor(executor, workers)
+        self.executor = resolve_executor(executor, workers, api)
         if chunksize is not None:
-            check_chunksize(chunksize)
-        self.elements = zip_items(iterables, strict)
-        self.plan = plan_chunks(len(self.elements), chunksize)
+            check_chunksize(chunksize, api)
+        self.elements = zip_items(iterables, strict, api=api)
+        self.plan = plan_chunks(len(self.elements), chunksize, api)
         self.placement = _placement(executor, workers, self.executor)
 
     def remote(self, remat: bool, progress: Any) -> Any:

@@ -13,13 +13,13 @@ thread is running, so nothing is left running or half-done when the error reache
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Generic, TypeVar
 
 from ._executors import Executor
 
-__all__ = ["ChunkRun", "in_worker", "run_chunks"]
+__all__ = ["ChunkRun", "alone", "in_worker", "run_chunks"]
 
 T = TypeVar("T")
 
@@ -34,6 +34,18 @@ _worker = threading.local()
 def in_worker() -> bool:
     """Whether the calling thread is working on a chunk of some map (a nested call's caller)."""
     return getattr(_worker, "active", False)
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Within it, a map called from this thread runs every chunk in this thread, with no
+    helpers (for a thread that holds a lock its chunks' threads would wait for)."""
+    was = getattr(_worker, "alone", False)
+    _worker.alone = True
+    try:
+        yield
+    finally:
+        _worker.alone = was
 
 
 def _no_context(is_caller: bool) -> AbstractContextManager[object]:
@@ -190,9 +202,12 @@ def run_chunks(
     """
     order: Sequence[int] = range(count - 1, -1, -1) if reverse else range(count)
     run: ChunkRun[T] = ChunkRun(order, run_chunk, on_done)
-    helps = executor.caller_helps or in_worker()
+    helps = in_worker() or executor.caller_works()
+    helpers = min(executor.workers, count) - (1 if helps else 0)
+    if getattr(_worker, "alone", False):
+        helps, helpers = True, 0
     try:
-        for _ in range(min(executor.workers, count) - (1 if helps else 0)):
+        for _ in range(helpers):
             executor.submit(lambda: run.work(context(False)))
         if helps:
             run.work(context(True))
@@ -249,14 +264,18 @@ def run_pipeline(
     Raises:
         The failure of the lowest chunk (producing or consuming), after every thread stopped.
     """
-    nested = in_worker()
-    inline = nested or executor.caller_helps
+    nested = in_worker() or getattr(_worker, "alone", False)
+    inline = nested or executor.caller_works()
     helpers = 0 if nested else max(0, min(executor.workers - 1, count - 1))
     results: list[object] = [None] * count
     failures: dict[int, BaseException] = {}
     cond = threading.Condition()
     pending: list[tuple[int, T]] = []
-    state = {"running": 0, "produced": False}
+    # The producer is the caller (inline) or whichever submitted job starts first: a consumer
+    # only ever waits while a producer runs, whatever order the executor starts jobs in (a busy
+    # or shared pool may start them in any order, and a consumer waiting for a producer still
+    # queued behind it would wait for ever).
+    state = {"running": 0, "produced": False, "producer": inline}
 
     def fail(k: int, exc: BaseException) -> None:
         with cond:
@@ -331,8 +350,17 @@ def run_pipeline(
             _worker.active = was
             done()
 
+    def job() -> None:
+        with cond:
+            produces = not state["producer"]
+            state["producer"] = True
+        if produces:
+            producer()
+        else:
+            consumer()
+
     try:
-        for job in [consumer] * helpers + ([] if inline else [producer]):
+        for _ in range(helpers + (0 if inline else 1)):
             with cond:
                 state["running"] += 1
             try:

@@ -12,19 +12,35 @@ NOTE [caller helps, no deadlock]:
     - a caller that is working on a chunk of another map (a ``tmap`` nested inside ``f``) always
       helps, so a nested call cannot deadlock, however small or busy the pool: in the worst case
       it runs every nested chunk itself, and its queued helpers find nothing left to do;
-    - with a user's executor, the caller always helps, since that executor may be busy with tasks
-      that wait on this very call.
-    With gradmap's own pool, a top-level caller starts ``workers`` helpers and waits: the pool's
-    threads never block on anything but running chunks, so its queue always drains, and the
-    caller's own thread settings stay untouched.
+    - a caller that is one of a user executor's own threads (a map called from a task on that
+      executor) helps, so maps called from its tasks cannot deadlock however busy it is: a thread
+      of the pool never waits for a chunk that nobody started.
+    Otherwise a top-level caller starts ``workers`` helpers and waits. gradmap's own pool never
+    blocks on anything but running chunks, so its queue always drains, and the caller's own
+    thread settings stay untouched. A user's executor runs every chunk of every call (NOTE [a
+    user's executor runs every chunk]); the caller waits for it as ``executor.map`` would.
+
+NOTE [a user's executor runs every chunk]:
+    Users pass their own ``concurrent.futures`` executor to set per-thread state (an
+    ``initializer`` that calls ``torch.set_num_threads(1)``, thread-local state ``f`` reads), so
+    every chunk of every call runs on its threads: forwards (also the one-thread forwards of
+    NOTE [forward placement], which run on one of its threads), ``tsum``'s producer and
+    pullbacks, and the backward's pullbacks. The caller runs chunks only where it is one of the
+    executor's threads, or works on a chunk of a map itself (a map nested in ``f``; NOTE [caller
+    helps, no deadlock]), or under a ``torch.func`` transform (NOTE [torch.func and forward AD]).
+    ``FuturesExecutor(pool, caller_helps=True)`` keeps the caller working alongside, for a pool
+    whose threads may be taken by tasks that wait on the caller.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import copy
 import operator
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -75,6 +91,11 @@ class Executor:
     def submit(self, helper: Callable[[], None]) -> None:
         """Start ``helper`` on another thread. It is never required to run."""
         raise NotImplementedError
+
+    def caller_works(self) -> bool:
+        """Whether the calling thread works on the chunks of a map on this executor (a caller
+        that is working on a chunk of another map always does, whatever this says)."""
+        return self.caller_helps
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(workers={self.workers})"
@@ -157,42 +178,111 @@ class ThreadExecutor(Executor):
                     raise
 
 
+_helper_threads = threading.local()
+
+
 class FuturesExecutor(Executor):
-    """A user's `concurrent.futures.Executor`, used as given and never shut down by gradmap."""
+    """A user's `concurrent.futures.Executor`, used as given and never shut down by gradmap.
+
+    Every chunk of every call runs on its threads (NOTE [a user's executor runs every chunk]):
+    the caller waits, unless it is one of the executor's own threads, in which case it works on
+    chunks too. ``workers`` defaults to its ``max_workers``.
+
+    Arguments:
+        executor: the executor.
+        workers: threads that run chunks of one map at once; ``None`` for ``max_workers`` (plus
+            one with ``caller_helps``).
+        caller_helps: the caller's thread works on chunks too (the behaviour before every chunk
+            ran on the executor): for a pool whose threads may all be taken by tasks that wait
+            on the caller.
+    """
 
     name = "futures"
 
-    def __init__(self, executor: concurrent.futures.Executor, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        workers: int | None = None,
+        caller_helps: bool = False,
+        *,
+        api: str = "gradmap.tmap",
+    ) -> None:
         if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
             raise TypeError(
-                "gradmap.tmap: a ProcessPoolExecutor cannot hold the autograd graph of a chunk "
+                f"{api}: a ProcessPoolExecutor cannot hold the autograd graph of a chunk "
                 "between the forward and the backward (it does not share memory with the caller). "
-                "Use executor=None (threads), a ThreadPoolExecutor, or gradmap's Ray executor."
+                "Use executor=None (threads), a ThreadPoolExecutor, executor='processes' or "
+                "gradmap's Ray executor."
             )
         if _is_shut_down(executor):
             raise RuntimeError(
-                f"gradmap.tmap: the executor {executor!r} has been shut down. Pass an executor "
+                f"{api}: the executor {executor!r} has been shut down. Pass an executor "
                 "that is still running, or executor=None for gradmap's shared thread pool."
             )
         if workers is None:
             workers = getattr(executor, "_max_workers", None) or available_cores()
-            workers = int(workers) + 1  # its threads, and the caller
+            workers = int(workers) + (1 if caller_helps else 0)
         super().__init__(workers)
         self.executor = executor
+        self.caller_helps = bool(caller_helps)  # type: ignore[misc]
+        self.api = api
+        # A ThreadPoolExecutor lists its threads; for other executors, the threads that ran a
+        # helper remember it (a weak set per thread).
+        self._listed = hasattr(executor, "_threads")
 
     def submit(self, helper: Callable[[], None]) -> None:
         try:
-            self.executor.submit(helper)
+            if self._listed:
+                self.executor.submit(helper)
+            else:
+                self.executor.submit(self._marked, helper)
         except RuntimeError as exc:
             if _is_shut_down(self.executor) or "shutdown" in str(exc):
                 raise RuntimeError(
-                    f"gradmap.tmap: the executor {self.executor!r} was shut down during the call. "
+                    f"{self.api}: the executor {self.executor!r} was shut down during the call. "
                     "Pass an executor that stays running, or executor=None."
                 ) from exc
             raise
 
+    def _marked(self, helper: Callable[[], None]) -> None:
+        seen = getattr(_helper_threads, "executors", None)
+        if seen is None:
+            seen = _helper_threads.executors = weakref.WeakSet()
+        with contextlib.suppress(TypeError):  # an executor without weak references
+            seen.add(self.executor)
+        helper()
+
+    def owns_current_thread(self) -> bool:
+        """Whether the calling thread is one of the executor's own."""
+        threads = getattr(self.executor, "_threads", None)
+        if threads is not None and threading.current_thread() in threads:
+            return True
+        seen = getattr(_helper_threads, "executors", None)
+        try:
+            return seen is not None and self.executor in seen
+        except TypeError:  # pragma: no cover - an executor without weak references
+            return False
+
+    def caller_works(self) -> bool:
+        return self.caller_helps or self.owns_current_thread()
+
+    def one_thread(self) -> FuturesExecutor:
+        """The same executor, running one chunk at a time on one of its threads."""
+        one = copy.copy(self)
+        one.workers = 1
+        return one
+
+    def named(self, api: str) -> FuturesExecutor:
+        """The same executor, naming ``api`` in its errors."""
+        if api == self.api:
+            return self
+        other = copy.copy(self)
+        other.api = api
+        return other
+
     def __repr__(self) -> str:
-        return f"FuturesExecutor({self.executor!r}, workers={self.workers})"
+        helps = ", caller_helps=True" if self.caller_helps else ""
+        return f"FuturesExecutor({self.executor!r}, workers={self.workers}{helps})"
 
 
 class RemoteExecutor(Executor):
@@ -248,7 +338,7 @@ _NAMES: dict[str, Callable[[int | None], Executor]] = {
 }
 
 
-def resolve_executor(executor: object, workers: int | None) -> Executor:
+def resolve_executor(executor: object, workers: int | None, api: str = "gradmap.tmap") -> Executor:
     """Turn ``tmap``'s ``executor`` and ``workers`` arguments into an [`Executor`][].
 
     Arguments:
@@ -256,22 +346,21 @@ def resolve_executor(executor: object, workers: int | None) -> Executor:
             [`Executor`][], or any `concurrent.futures.Executor`.
         workers: threads that may run chunks at once, the caller's included; ``None`` for the
             executor's own default (the available cores for the shared pool).
+        api: the public function called, named in errors (``"gradmap.tsum"``, ...).
 
     Returns:
         The executor to run chunks on.
     """
     if workers is not None:
         if isinstance(workers, bool):
-            raise TypeError(f"gradmap.tmap: workers must be an int or None, got {workers!r}")
+            raise TypeError(f"{api}: workers must be an int or None, got {workers!r}")
         try:
             workers = operator.index(workers)
         except TypeError:
-            raise TypeError(
-                f"gradmap.tmap: workers must be an int or None, got {workers!r}"
-            ) from None
+            raise TypeError(f"{api}: workers must be an int or None, got {workers!r}") from None
         if workers < 1:
             raise ValueError(
-                f"gradmap.tmap: workers must be at least 1, got {workers}; "
+                f"{api}: workers must be at least 1, got {workers}; "
                 "pass workers=None for the available cores"
             )
     if executor is None:
@@ -280,15 +369,17 @@ def resolve_executor(executor: object, workers: int | None) -> Executor:
         make = _NAMES.get(executor)
         if make is None:
             raise ValueError(
-                f"gradmap.tmap: unknown executor {executor!r}; expected one of "
+                f"{api}: unknown executor {executor!r}; expected one of "
                 f"{sorted(_NAMES)}, a concurrent.futures.Executor, or a gradmap.Executor"
             )
         return make(workers)
+    if isinstance(executor, FuturesExecutor):
+        return executor.named(api)
     if isinstance(executor, Executor):
         return executor
     if isinstance(executor, concurrent.futures.Executor):
-        return FuturesExecutor(executor, workers)
+        return FuturesExecutor(executor, workers, api=api)
     raise TypeError(
-        f"gradmap.tmap: executor must be None, a name (one of {sorted(_NAMES)}), a "
+        f"{api}: executor must be None, a name (one of {sorted(_NAMES)}), a "
         f"concurrent.futures.Executor or a gradmap.Executor; got {type(executor).__name__}"
     )

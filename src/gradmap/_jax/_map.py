@@ -234,13 +234,7 @@ def _start(
 
 def _resolve(executor: Any, workers: int | None, api: str) -> Executor:
     """``resolve_executor``, its errors naming ``api``; executors that share memory only."""
-    try:
-        resolved = resolve_executor(executor, workers)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        message = str(exc)
-        if message.startswith("gradmap.tmap"):  # its messages name the PyTorch API
-            raise type(exc)(api + message[len("gradmap.tmap") :]) from None
-        raise
+    resolved = resolve_executor(executor, workers, api)
     if not resolved.shares_memory:
         raise TypeError(
             f"{api}: the {resolved.name!r} executor runs chunks in other processes; a JAX map "

@@ -64,6 +64,7 @@ from ._graph import (
 from ._native import native
 from ._random import MapRandom
 from ._state import ThreadState
+from ._swaps import guard_parameter_swaps
 
 __all__ = ["map_torch", "sum_results", "sum_torch"]
 
@@ -105,6 +106,8 @@ class MapCall:
         )
         self.known: Known | None = None
         self.owner = object()  # what this map's blocking hooks answer to
+        if executor.workers > 1:
+            guard_parameter_swaps()  # NOTE [parameters swapped by functional_call]
 
     @property
     def gated(self) -> bool:
@@ -179,10 +182,13 @@ class MapCall:
 
     def one_thread(self) -> Executor:
         """Where a forward in one thread runs: the caller's thread for the serial reference (as
-        its loop would) and for a user's executor, else one of gradmap's pool threads, which
-        compute as the pool's other threads do (one intra-op thread: NOTE [forward placement])."""
+        its loop would), one thread of a user's executor (NOTE [a user's executor runs every
+        chunk]), else one of gradmap's pool threads, which compute as the pool's other threads do
+        (one intra-op thread: NOTE [forward placement])."""
         if isinstance(self.executor, ThreadExecutor):
             return ThreadExecutor(1)
+        if isinstance(self.executor, FuturesExecutor):
+            return self.executor.one_thread()
         return _CALLER
 
     def recompute(self, indices: list[int], seeded: bool = False) -> ChunkRecord:
@@ -566,6 +572,7 @@ def sum_results(results: list[Any], chunks: list[int] | None = None) -> Any:
     total: list[Any] | None = None
     i = 0
     for size in sizes:
+        start = i
         partial: list[Any] | None = None
         for y in results[i : i + size]:
             more, other = flatten(y)
