@@ -29,7 +29,9 @@ class PassProgress:
             self._bar.close()
 
 
-def open_progress(progress: Any, phase: str, total: int) -> PassProgress | None:
+def open_progress(
+    progress: Any, phase: str, total: int, api: str = "gradmap.tmap"
+) -> PassProgress | None:
     """The bar for one pass of ``total`` elements, as ``tmap``'s ``progress`` argument asks.
 
     Arguments:
@@ -39,6 +41,7 @@ def open_progress(progress: Any, phase: str, total: int) -> PassProgress | None:
             called as ``progress(total=total, desc=...)`` to make each pass's bar.
         phase: ``"forward"`` or ``"backward"``.
         total: the elements in the pass.
+        api: the public function called, named in errors.
 
     Returns:
         The bar, or ``None`` when there is none.
@@ -51,7 +54,7 @@ def open_progress(progress: Any, phase: str, total: int) -> PassProgress | None:
             from tqdm.auto import tqdm
         except ImportError:
             raise ImportError(
-                "gradmap.tmap(progress=True) draws its bars with tqdm, which is not installed: "
+                f"{api}(progress=True) draws its bars with tqdm, which is not installed: "
                 "pip install 'gradmap[progress]' (or pip install tqdm)"
             ) from None
         return PassProgress(tqdm(total=total, desc=desc), owned=True)
@@ -60,6 +63,6 @@ def open_progress(progress: Any, phase: str, total: int) -> PassProgress | None:
     if callable(progress):
         return PassProgress(progress(total=total, desc=desc), owned=True)
     raise TypeError(
-        "gradmap.tmap: progress must be a bool, a tqdm instance (or any object with update(n)), "
+        f"{api}: progress must be a bool, a tqdm instance (or any object with update(n)), "
         f"or a callable making one such as tqdm.tqdm; got {type(progress).__name__}"
     )

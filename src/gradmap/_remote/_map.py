@@ -178,7 +178,7 @@ class _Call:
         per_chunk: list[Any] = [None] * plan.count
         used: set[int] = set()
         drawn = False
-        bar = open_progress(self.progress, "forward", plan.n)
+        bar = open_progress(self.progress, "forward", plan.n, self.api)
         self.elements = elements
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
@@ -231,7 +231,7 @@ class _Call:
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
                 jobs.append(Job(k, None if self.remat else self.owners[k], recompute=self.remat))
-        bar = open_progress(self.progress, "backward", plan.n)
+        bar = open_progress(self.progress, "backward", plan.n, self.api)
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
             if recompute:

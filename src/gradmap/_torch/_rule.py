@@ -41,8 +41,7 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun, run_chunks, run_pipeline
-from .._errors import add_note
-from .._executors import Executor, SerialExecutor, ThreadExecutor
+from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
 from .._join import JoinLayout, sum_in_chunk_order
 from .._placement import Placement, placement_for
 from .._plan import ChunkPlan
@@ -127,7 +126,7 @@ class MapCall:
     ) -> list[Any]:
         """One pass over the chunks, with the caller's state and an optional progress bar."""
         plan = self.plan
-        bar = open_progress(self.progress, phase, plan.n)
+        bar = open_progress(self.progress, phase, plan.n, self.api)
         on_done = None if bar is None else (lambda k: bar.update(len(range(*plan.bounds(k)))))
         try:
             return run_chunks(
@@ -508,7 +507,7 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
         return record, grads
 
     def pipeline() -> Any:
-        bar = open_progress(call.progress, "forward", plan.n)
+        bar = open_progress(call.progress, "forward", plan.n, call.api)
         backward_state = ThreadState(grad_enabled=False)
         # NOTE [graphs freed by the producer]: freeing a graph takes the GIL for every tensor
         # with a Python object it frees; done by the pullbacks' threads, it fought the forward
@@ -582,10 +581,10 @@ def sum_results(results: list[Any], chunks: list[int] | None = None) -> Any:
                     "element 0's; every element must return the same structure (a tensor, or a "
                     "pytree of tensors) to be summed"
                 )
-            partial = more if partial is None else [a + b for a, b in zip(partial, more)]
+            partial = more if partial is None else _add(partial, more, (i, i), (start, i - 1))
             i += 1
         assert partial is not None
-        total = partial if total is None else [a + b for a, b in zip(total, partial)]
+        total = partial if total is None else _add(total, partial, (start, i - 1), (0, start - 1))
     assert total is not None
     return unflatten(total, spec)
 
@@ -611,14 +610,17 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
             values = list(el.leaves)
             for o, j in zip(range(*el.outputs), el.diff):
                 values[j] = r.outputs[o].detach()
-            totals = values if totals is None else _add(totals, values, f"element {el.index}")
+            if totals is not None:
+                before = (r.elements[0].index, el.index - 1)
+                totals = _add(totals, values, (el.index, el.index), before)
+            else:
+                totals = values
             el.leaves = []
         partial.append(totals)
     sums = partial[0]
     for r, more in zip(records[1:], partial[1:]):
         lo, hi = r.elements[0].index, r.elements[-1].index
-        which = f"element {lo}" if lo == hi else f"elements {lo}..{hi}"
-        sums = _add(sums, more, which)
+        sums = _add(sums, more, (lo, hi), (0, lo - 1))
     diff = sorted(differentiable)
     layout: JoinLayout[Tensor] = JoinLayout(
         [r.boundary.tensors for r in records],
@@ -635,13 +637,39 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
     return unflatten(sums, spec)
 
 
-def _add(totals: list[Any], values: list[Any], which: str) -> list[Any]:
-    """Leaf by leaf; a failure (shapes that do not broadcast) names the elements added."""
-    try:
-        return [a + b for a, b in zip(totals, values)]
-    except Exception as exc:
-        add_note(exc, f"gradmap.tsum: adding the result of {which} to the sum of those before")
-        raise
+def _add(
+    totals: list[Any], values: list[Any], added: tuple[int, int], before: tuple[int, int]
+) -> list[Any]:
+    """Leaf by leaf, as ``+`` adds in the loop; results that do not add (shapes that do not
+    broadcast) raise an error naming the elements on both sides and their shapes.
+
+    Arguments:
+        totals: the sum so far, of the elements ``before`` (first and last index).
+        values: the result (or partial sum) of the elements ``added`` (first and last index).
+    """
+    out = []
+    for j, (a, b) in enumerate(zip(totals, values)):
+        try:
+            out.append(a + b)
+        except RuntimeError as exc:
+            leaf = "" if len(totals) == 1 else f" (leaf {j} of the result's pytree)"
+            raise ValueError(
+                f"gradmap.tsum: the result of {_elements(added)}{leaf}, of shape "
+                f"{_shape(b)}, does not add to the sum of {_elements(before)}, of shape "
+                f"{_shape(a)} ({exc}). Every element must return results of one shape (or of "
+                "shapes that broadcast together, as + adds them in the loop)."
+            ) from exc
+    return out
+
+
+def _elements(span: tuple[int, int]) -> str:
+    lo, hi = span
+    return f"element {lo}" if lo == hi else f"elements {lo}..{hi}"
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return "()" if shape is None else str(tuple(shape))
 
 
 class _SumGraph(_MapGraph):
