@@ -229,10 +229,26 @@ def test_demo_runs_every_variant_and_says_which_to_use(capsys):
     # gradients that match the loop's (the exit status says so) and a line naming what to use.
     from gradmap._demo import main as demo
 
-    assert demo(["--bags", "12", "--reps", "1"]) == 0
+    assert demo(["--trees", "12", "--reps", "1"]) == 0
     out = capsys.readouterr().out
-    for name in ("loop (1 thread)", "tsum processes", "tmap processes"):
-        assert name in out
-    assert out.count("max |grad(") == 4
+    rows = {line.split("  ")[0].strip() for line in out.splitlines()}
+    for name in ("loop (1 thread)", "loop", "tsum", "tmap", "tsum processes", "tmap processes"):
+        assert name in rows, out
+    assert "why a map:" in out
     use = [line for line in out.splitlines() if line.startswith("use here: ")]
-    assert len(use) == 1 and ("gradmap.t" in use[0] or "the plain loop" in use[0])
+    assert len(use) == 1 and ("gradmap.t" in use[0] or "the plain loop" in use[0]), out
+
+
+def test_demo_verdict_names_the_fastest_call_and_close_calls():
+    from gradmap._demo import _verdict
+
+    totals = {"loop (1 thread)": [10.0, 11, 12], "loop": [20.0, 21, 22], "tsum": [7.0, 8, 9]}
+    medians = {k: v[1] for k, v in totals.items()}
+    line = _verdict(medians, totals, best_loop=11.0)
+    assert line.startswith("use here: gradmap.tsum(tree_loss, trees) (1.38x the best loop)")
+    assert "spread" not in line
+    totals["tsum"] = [12.0, 13, 14]  # the 1-thread loop wins, tsum within its spread
+    medians = {k: v[1] for k, v in totals.items()}
+    line = _verdict(medians, totals, best_loop=11.0)
+    assert line.startswith("use here: the plain loop, with torch.set_num_threads(1)")
+    assert "tsum (0.85x) is within the measured spread" in line

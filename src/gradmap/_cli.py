@@ -8,7 +8,8 @@ __all__ = ["main"]
 
 _USAGE = """usage: gradmap {demo,bench,bench-jax,build} [options]
 
-  demo       a small ragged-data example: loop vs tmap time and the gradient difference
+  demo       work that does not batch (trees): the loop vs tsum and tmap on threads and
+             processes, speed-up, gradient difference, and which to use here
   bench      the benchmark workloads (gradmap bench --help)
   bench-jax  the ragged-bags workload in JAX: loops vs gradmap.jax.tmap (needs gradmap[jax])
   build      build the native graph walk now (else the first map builds it, about 20 s)
