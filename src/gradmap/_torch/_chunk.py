@@ -360,6 +360,27 @@ def _grad(
     if not inputs:
         return []
     with pulling_back(owner):
+        if _RUN_BACKWARD is not None and _plain(outputs, grads, inputs):
+            # NOTE [the engine called directly]: torch.autograd.grad checks each output and its
+            # cotangent in Python (_make_grads: a shape comparison, dtype and layout checks per
+            # output), about a microsecond per output, which a map of tiny elements pays per
+            # element. Here every output, cotangent and input is a plain tensor (or a
+            # GradientEdge), each cotangent came from the engine itself (the join's backward) or
+            # was made by gradmap with its output's shape, and the engine validates the roots'
+            # cotangents against their edges (shape, dtype, device) as it starts; so the engine
+            # is called as autograd.grad calls it. Subclasses and anything else take
+            # autograd.grad (its __torch_function__ dispatch).
+            return list(
+                _RUN_BACKWARD(
+                    tuple(outputs),
+                    tuple(grads),
+                    retain,
+                    create_graph,
+                    tuple(inputs),
+                    True,
+                    accumulate_grad=False,
+                )
+            )
         return list(
             torch.autograd.grad(
                 outputs,
@@ -370,6 +391,33 @@ def _grad(
                 allow_unused=True,
             )
         )
+
+
+def _plain(outputs: list[Tensor], grads: list[Tensor], inputs: list[Any]) -> bool:
+    """Whether ``autograd.grad`` would do nothing but call the engine (no tensor subclass, no
+    ``__torch_function__``, no cotangent it would have to make or check)."""
+    if len(outputs) != len(grads):
+        return False
+    tensor = torch.Tensor
+    for t in outputs:
+        if type(t) is not tensor:
+            return False
+    for g in grads:
+        if type(g) is not tensor or g.is_nested:
+            return False
+    for t in inputs:
+        if type(t) is not tensor and type(t) is not torch.nn.Parameter and not _is_edge(t):
+            return False
+    return True
+
+
+def _is_edge(t: object) -> bool:
+    return type(t) is _GRADIENT_EDGE
+
+
+_GRADIENT_EDGE: Any = getattr(torch.autograd.graph, "GradientEdge", None)
+#: The engine call of ``autograd.grad``; ``None`` (autograd.grad throughout) where torch lacks it.
+_RUN_BACKWARD: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def _pull_back_one(
