@@ -99,6 +99,22 @@ def test_map_called_from_a_task_of_a_one_thread_user_executor():
         torch.testing.assert_close(pool.submit(task).result(30), torch.full((3,), 28.0))
 
 
+@deadline(120)
+def test_a_task_on_a_thread_just_started_is_known_as_the_executors_own():
+    """A new pool starts a thread for the first task and lists it only after starting it: a
+    task that calls a map at once must still be known as running on the pool (before, a fresh
+    1-thread pool hung within 1-12 tries, the caller waiting for a helper queued behind itself)."""
+    w = torch.ones(3, requires_grad=True)
+    for _ in range(100):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            task = pool.submit(
+                lambda pool=pool: torch.autograd.grad(
+                    gradmap.tsum(lambda i: (w * i).sum(), range(4), executor=pool), w
+                )[0]
+            )
+            torch.testing.assert_close(task.result(30), torch.full((3,), 6.0))
+
+
 def test_user_executor_is_not_shut_down():
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         gradmap.tmap(lambda x: x * 2, torch.arange(6.0), executor=pool)

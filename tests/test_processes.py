@@ -1101,7 +1101,7 @@ _MAIN_SCRIPT = """
 import torch, gradmap
 from torch import nn
 
-P = nn.Parameter(torch.ones(3))
+P = nn.Parameter(torch.ones(3, dtype=torch.float64))
 SCALE = 1.0
 
 
@@ -1111,7 +1111,7 @@ class Net(nn.Module):
 
 
 net = Net()
-xs = [torch.randn(3) for _ in range(8)]
+xs = [torch.randn(3, dtype=torch.float64) for _ in range(8)]  # float64: sums in other orders
 
 
 def loop_grad():

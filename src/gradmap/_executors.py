@@ -255,8 +255,18 @@ class FuturesExecutor(Executor):
     def owns_current_thread(self) -> bool:
         """Whether the calling thread is one of the executor's own."""
         threads = getattr(self.executor, "_threads", None)
-        if threads is not None and threading.current_thread() in threads:
-            return True
+        if threads is not None:
+            me = threading.current_thread()
+            if me in threads:
+                return True
+            # A ThreadPoolExecutor adds a new thread to its set only after starting it, under
+            # its lock, so a task may run (and call a map) before its own thread is listed:
+            # once the lock is free, the set is complete.
+            lock = getattr(self.executor, "_shutdown_lock", None)
+            if lock is not None:
+                with lock:
+                    if me in threads:
+                        return True
         seen = getattr(_helper_threads, "executors", None)
         try:
             return seen is not None and self.executor in seen
