@@ -11,7 +11,7 @@ import pytest
 
 from gradmap._engine import run_chunks, run_pipeline
 from gradmap._executors import FuturesExecutor, SerialExecutor, ThreadExecutor
-from gradmap._placement import REMEASURE, placement_for
+from gradmap._placement import CHANGED, REMEASURE, placement_for
 from gradmap._plan import TARGET_CHUNKS, plan_chunks
 
 
@@ -228,6 +228,31 @@ def test_placement_keeps_the_pool_for_a_faster_forward_and_remeasures():
     assert not refresh.many  # one thread measured afresh
     refresh.record(2e-3)
     assert not placement_for(g, forced_many=False, forced_one=False).many
+
+
+@GIL_ONLY
+def test_placement_measures_again_when_the_elements_change():
+    """The same ``f`` over other elements (bags of other sizes): a pass on the chosen side that
+    takes CHANGED times more or less per element than measured starts the measurements again."""
+
+    def h(x):
+        return x
+
+    one, many, again = _calls(h, 3)
+    one.record(2e-3)
+    many.record(1e-3)  # the pool wins on these elements
+    again.record(2e-3)
+    chosen = placement_for(h, forced_many=False, forced_one=False)
+    assert chosen.many
+    chosen._check(1.2e-3)  # as measured: nothing changes
+    assert placement_for(h, forced_many=False, forced_one=False).many
+    changed = placement_for(h, forced_many=False, forced_one=False)
+    changed._check(1e-3 / (CHANGED * 1.5))  # elements much smaller than before
+    pool, single = _calls(h, 2)
+    assert pool.many and not single.many  # both sides measured afresh
+    pool.record(3e-4)
+    single.record(2e-4)  # one thread wins on the new elements
+    assert not placement_for(h, forced_many=False, forced_one=False).many
 
 
 def test_placement_times_the_pass_per_element():

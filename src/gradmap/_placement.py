@@ -20,7 +20,11 @@ NOTE [forward placement]:
     - from then on it runs on the pool if the pool's time per element was below
       ``FASTER`` times the better one-thread time, else in one thread;
     - every ``REMEASURE`` calls it is measured again, pool then one thread, in case the elements
-      changed.
+      changed; and at once when a call on the chosen side takes ``CHANGED`` times more or less per
+      element than that side's last measurement (the same ``f`` over other elements). The
+      bench's ragged and small bags share one ``f``: before counts and changes told their
+      histories apart, the pool chosen for ragged bags ran small bags' forwards 1.5x slower
+      than one thread until the next ``REMEASURE``.
     An earlier rule kept the pool when the pass's threads were busy for 1.35x its wall time or
     more; the neural ODE forward (`gradmap bench`) reached that while running 2.6x *slower* than
     in one thread (busy is not fast: two threads trading the GIL burn CPU on the hand-offs), so
@@ -30,7 +34,8 @@ NOTE [forward placement]:
     ``f`` that draws no random numbers); ``executor="serial"`` or ``workers=1`` forces one
     thread. ``f`` is told apart by its code object (a bound method or ``functools.partial`` by
     its function's), so a lambda made anew each step keeps its history; ``tmap`` and ``tsum``,
-    with a graph or without, and ``remat`` keep separate histories (their passes differ).
+    with a graph or without, and ``remat`` keep separate histories (their passes differ), and so
+    do maps over element counts more than a factor of two apart (other data, most likely).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ __all__ = ["Placement", "placement_for"]
 
 FASTER = 0.9
 REMEASURE = 50
+CHANGED = 2.0
 
 _lock = threading.Lock()
 _history: dict[Any, _History] = {}
@@ -70,6 +76,7 @@ def _key(f: Any) -> Any:
 
 class _History:
     __slots__ = ("calls", "many", "one", "random")
+    # calls: maps of this f so far (set back to 1 when its elements changed: measure afresh)
 
     def __init__(self) -> None:
         self.calls = 0
@@ -87,19 +94,26 @@ class _History:
 class Placement:
     """Where one map's forward runs, and what it learns about ``f``."""
 
-    def __init__(self, many: bool, history: _History | None, measure: bool) -> None:
+    def __init__(
+        self, many: bool, history: _History | None, measure: bool, watch: bool = False
+    ) -> None:
         self.many = many
         self._history = history
         self._measure = measure
+        self._watch = watch  # a chosen side: timed to see whether the elements changed
 
     def timed(self, run: Callable[[], Any], n: int) -> Any:
         """Run a forward pass of ``n`` elements; record its time if it was measured."""
-        if not self._measure:
+        if not (self._measure or self._watch):
             return run()
         start = time.perf_counter()
         out = run()
         if n:
-            self.record((time.perf_counter() - start) / n)
+            per_element = (time.perf_counter() - start) / n
+            if self._measure:
+                self.record(per_element)
+            else:
+                self._check(per_element)
         return out
 
     def record(self, per_element: float) -> None:
@@ -111,6 +125,19 @@ class Placement:
             history.many = per_element
         else:
             history.one = per_element if history.one is None else min(history.one, per_element)
+
+    def _check(self, per_element: float) -> None:
+        """After a pass on the chosen side: elements that now take ``CHANGED`` times more or
+        less per element than that side's measurement are others; measure both sides again."""
+        history = self._history
+        if history is None:
+            return
+        known = history.many if self.many else history.one
+        if known is None or known / CHANGED <= per_element <= known * CHANGED:
+            return
+        with _lock:
+            history.calls = 1  # the next two calls measure the pool, then one thread
+            history.one = history.many = None
 
     def learned_random(self, drew: bool) -> None:
         if drew and self._history is not None:
@@ -144,4 +171,4 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
         if calls > 3:
             history.one = None  # measured afresh
         return Placement(False, history, True)
-    return Placement(bool(history.parallel), history, False)
+    return Placement(bool(history.parallel), history, False, watch=True)

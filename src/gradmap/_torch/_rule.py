@@ -101,7 +101,8 @@ class MapCall:
             f,
             forced_many=placement == "many",
             forced_one=placement == "one",
-            kind=(api, remat, torch.is_grad_enabled()),
+            # maps of one f over counts within a factor of two share a history
+            kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length()),
         )
         self.known: Known | None = None
         self.owner = object()  # what this map's blocking hooks answer to
