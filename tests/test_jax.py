@@ -539,7 +539,8 @@ def test_tsum_equals_the_loop_eagerly(kw, chunksize):
         return {"s": x.sum(axis=0), "n": x.shape[0], "m": jnp.max(x)}
 
     assert_trees_close(gmj.tsum(f, xs, **kw), loop_sum(f, xs))
-    assert gmj.tsum(lambda x: x, [], **kw) == 0  # as the builtin sum
+    with pytest.raises(ValueError, match=r"^gradmap.jax.tsum: there are no elements"):
+        gmj.tsum(lambda x: x, [], **kw)  # as gradmap.tsum
 
 
 @pytest.mark.parametrize("chunksize", [1, 3, None])

@@ -114,8 +114,9 @@ def tmap(
 
     Raises:
         TypeError: ``f`` is not callable, an iterable is not iterable, or is a 0-d array.
-        ValueError: with ``strict=True``, the iterables differ in length; a bad ``workers``,
-            ``chunksize`` or executor name.
+        ValueError: there are no elements (the sum of nothing has no shape; as
+            ``gradmap.tsum``); with ``strict=True``, the iterables differ in length; a bad
+            ``workers``, ``chunksize`` or executor name.
         Exception: whatever ``f`` raised, for the lowest failing element, with a note naming the
             element; the rest of the map is cancelled first. Errors in an element's pullback
             name the element too where the backward runs on the pool; under the other
@@ -183,8 +184,7 @@ def tsum(
         strict: raise ``ValueError`` if the iterables have different lengths.
 
     Returns:
-        The sum of ``f``'s results: of the structure of each, or ``0`` when there are no
-        elements (as the builtin ``sum``).
+        The sum of ``f``'s results, of the structure of each.
 
     Raises:
         TypeError: ``f`` is not callable, an iterable is not iterable or is a 0-d array, or the
@@ -204,7 +204,12 @@ def tsum(
     """
     resolved, elements, plan = _start(f, iterables, executor, workers, chunksize, strict, TSUM)
     if not elements:
-        return 0
+        # as gradmap.tsum: the builtin sum's 0 would fail later, in jax.grad or in the user's
+        # code, with nothing naming this call
+        raise ValueError(
+            f"{TSUM}: there are no elements to sum; the sum of nothing has no shape. Check "
+            "the iterables, or handle an empty batch before the call"
+        )
     mode, trace = current_mode()
     if mode is Mode.EAGER:
         return _sum_eager(f, elements, resolved, plan)

@@ -565,7 +565,8 @@ def sum_results(results: list[Any], chunks: list[int] | None = None) -> Any:
     for one chunk."""
     if not results:
         raise ValueError(
-            "gradmap.tsum: there are no elements to sum; the sum of nothing has no shape"
+            "gradmap.tsum: there are no elements to sum; the sum of nothing has no shape. "
+            "Check the iterables, or handle an empty batch before the call"
         )
     leaves, spec = flatten(results[0])
     sizes = chunks or [len(results)]
