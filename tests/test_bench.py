@@ -15,7 +15,7 @@ import torch
 import gradmap
 from gradmap.bench.cli import main
 from gradmap.bench.runner import grad_difference
-from gradmap.bench.variants import VARIANT_NAMES, loop_loss
+from gradmap.bench.variants import VARIANT_NAMES, build_variants, loop_loss
 from gradmap.bench.workloads import (
     WORKLOADS,
     NeuralODE,
@@ -183,6 +183,20 @@ def test_tmap_with_two_workers_and_chunks_of_one_equals_the_loop(name):
     losses = gradmap.tmap(workload.f, workload.items, workers=2, chunksize=1)
     actual = _grads(workload, torch.stack(losses).sum())
     _assert_grads_close(actual, expected)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_raw_threads_reference_equals_the_loop(name):
+    """The ``raw`` row (a chunked loop on plain threads, no gradmap) gives the loop's loss and
+    gradients, so the table compares like with like."""
+    (raw,) = build_variants(["raw"], workers=2)
+    workload = WORKLOADS[name].make(2, SMALL_N)
+    expected_loss = loop_loss(workload)
+    expected = _grads(workload, expected_loss)
+    with raw.settings():
+        loss = raw.total_loss(workload)
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-5, atol=1e-6)
+    _assert_grads_close(_grads(workload, loss), expected)
 
 
 @pytest.mark.parametrize("cls", [RaggedBags, SmallBags])

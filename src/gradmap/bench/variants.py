@@ -12,6 +12,10 @@ each variant's gradient can be checked against the plain loop's.
   caller running chunks too (``workers - 1`` processes).
 - ``tsum-proc``: ``gradmap.tsum(f, items, executor="processes")``: each chunk's forward and
   backward in one call, in a worker process or the caller.
+- ``raw``: no gradmap: a hand-written chunked loop on ``W`` plain threads (the available cores),
+  each claiming chunks of elements, running their forward and ``torch.autograd.grad`` of their
+  summed loss to the parameters, the threads' gradients added at the end; one intra-op thread.
+  What the interpreter allows a map of ``f`` on threads: how close ``tmap``/``tsum`` come to it.
 - ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads).
 - ``remat``: ``gradmap.tmap(f, items, remat=True)``: no graph kept; the backward recomputes.
 - ``vmap``: ``torch.func.vmap`` over a padded and masked batch (bags only).
@@ -41,6 +45,7 @@ VARIANT_NAMES = (
     "tsum",
     "tmap-proc",
     "tsum-proc",
+    "raw",
     "serial",
     "remat",
     "vmap",
@@ -138,6 +143,67 @@ def _tsum_loss(executor: str | None, workers: int | None) -> TotalLoss:
     return total_loss
 
 
+class _Precomputed(torch.autograd.Function):
+    """A loss whose gradients to ``params`` were computed already: its backward scales them."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, grads: list[Tensor | None], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, cotangent: Tensor) -> tuple[Any, ...]:
+        return (None, None, *(None if g is None else cotangent * g for g in ctx.grads))
+
+
+def _raw_threads_loss(workers: int | None) -> TotalLoss:
+    """Build the ``raw`` variant: a chunked loop on plain threads, without gradmap."""
+
+    def total_loss(workload: Workload[Any]) -> Tensor:
+        import os
+        import threading
+
+        f, items, params = workload.f, workload.items, workload.params()
+        count = workers or max(1, len(os.sched_getaffinity(0)))
+        size = max(1, len(items) // (4 * count))  # a few chunks per thread: balance
+        starts = iter(range(0, len(items), size))
+        claim = threading.Lock()
+        parts: list[tuple[Tensor, list[Tensor | None]]] = []
+        failures: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                with torch.enable_grad():
+                    while True:
+                        with claim:
+                            start = next(starts, None)
+                        if start is None:
+                            return
+                        loss = torch.stack([f(x) for x in items[start : start + size]]).sum()
+                        grads = torch.autograd.grad(loss, params, allow_unused=True)
+                        with claim:
+                            parts.append((loss.detach(), list(grads)))
+            except BaseException as exc:  # re-raised in the caller
+                failures.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
+        value = sum((v for v, _ in parts), torch.zeros(()))
+        summed: list[Tensor | None] = [None] * len(params)
+        for _, grads in parts:
+            for j, g in enumerate(grads):
+                if g is not None:
+                    summed[j] = g if summed[j] is None else summed[j] + g  # type: ignore[operator]
+        return _Precomputed.apply(value, summed, *params)  # type: ignore[no-any-return]
+
+    return total_loss
+
+
 def build_variants(
     names: Sequence[str],
     workers: int | None = None,
@@ -187,6 +253,8 @@ def build_variants(
             variants.append(Variant(name, _tmap_loss(tmap, "processes", workers), workers=workers))
         elif name == "tsum-proc":
             variants.append(Variant(name, _tsum_loss("processes", workers), workers=workers))
+        elif name == "raw":
+            variants.append(Variant(name, _raw_threads_loss(workers), intra_op_threads=1))
         elif name == "serial":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))
