@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,6 +56,12 @@ def measured(label: str) -> Iterator[dict[str, float]]:
     before = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
     figures: dict[str, float] = {}
     yield figures
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        # free-threaded CPython: an object released by another thread than the one that made it
+        # (a pool thread's tensors, dropped by the caller) is freed only once its refcount is
+        # merged, which gc.collect() does; with the GIL the check runs without a collection,
+        # so a graph kept alive by a reference cycle fails it
+        gc.collect()
     after = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
     figures.update({f"{k}_before": v for k, v in before.items()})
     figures.update({f"{k}_after": v for k, v in after.items()})
