@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 from ._executors import Executor
 
-__all__ = ["ChunkRun", "alone", "in_worker", "run_chunks"]
+__all__ = ["ChunkRun", "alone", "in_worker", "run_chunks", "working_on_a_chunk"]
 
 T = TypeVar("T")
 
@@ -34,6 +34,18 @@ _worker = threading.local()
 def in_worker() -> bool:
     """Whether the calling thread is working on a chunk of some map (a nested call's caller)."""
     return getattr(_worker, "active", False)
+
+
+@contextmanager
+def working_on_a_chunk() -> Iterator[None]:
+    """Within it, the calling thread counts as running a chunk of some map (``in_worker``): a
+    map called from it runs inline (for a host that runs a worker's chunk in this thread)."""
+    was = in_worker()
+    _worker.active = True
+    try:
+        yield
+    finally:
+        _worker.active = was
 
 
 @contextmanager

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Placement", "placement_for"]
+__all__ = ["Placement", "key_of", "placement_for"]
 
 FASTER = 0.9
 REMEASURE = 50
@@ -63,7 +63,8 @@ def _gil_enabled() -> bool:
     return True if check is None else bool(check())
 
 
-def _key(f: Any) -> Any:
+def key_of(f: Any) -> Any:
+    """What tells ``f`` apart across calls: its code object (NOTE [forward placement])."""
     while isinstance(f, functools.partial):
         f = f.func
     f = getattr(f, "__func__", f)
@@ -150,7 +151,7 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
     without, ``remat``): each has a history of its own."""
     if forced_one:
         return Placement(False, None, False)
-    key = (_key(f), kind)
+    key = (key_of(f), kind)
     with _lock:
         history = _history.get(key)
         if history is None:

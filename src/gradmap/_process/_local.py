@@ -44,10 +44,9 @@ from typing import Any
 
 import torch
 
-from .._engine import _worker as _engine_worker
-from .._placement import _key
-from .._remote import _host
-from .._remote._host import Host
+from .._engine import working_on_a_chunk
+from .._placement import key_of
+from .._remote._host import Host, hosting
 from .._remote._pickling import LeafTable
 from .._torch._random import SEEDING
 from ._worker import PAYLOADS_KEPT
@@ -64,7 +63,7 @@ _MAX_HISTORY = 1024
 
 def tiny(f: Any, api: str, n: int) -> bool:
     """Whether a map of ``f`` over ``n`` elements is known to be too small for the workers."""
-    seconds = _seconds.get((_key(f), api))
+    seconds = _seconds.get((key_of(f), api))
     return seconds is not None and seconds * n < TINY
 
 
@@ -72,7 +71,7 @@ def learn(f: Any, api: str, seconds_per_element: float) -> None:
     """Record a map's measured forward seconds per element in the caller."""
     if len(_seconds) >= _MAX_HISTORY:
         _seconds.clear()
-    _seconds[_key(f), api] = seconds_per_element
+    _seconds[key_of(f), api] = seconds_per_element
 
 
 class LocalHost(Host):
@@ -99,13 +98,10 @@ class LocalHost(Host):
             threads = torch.get_num_threads()
             if threads != 1:
                 torch.set_num_threads(1)
-            was_host = getattr(_host._local, "active", False)
-            was_engine = getattr(_engine_worker, "active", False)
-            _host._local.active = _engine_worker.active = True
             try:
-                return getattr(self, method)(*args)
+                with hosting(), working_on_a_chunk():
+                    return getattr(self, method)(*args)
             finally:
-                _host._local.active, _engine_worker.active = was_host, was_engine
                 if threads != 1:
                     torch.set_num_threads(threads)
                 generator.set_state(state)

@@ -58,6 +58,17 @@ def in_worker() -> bool:
     return _in_worker or getattr(_local, "active", False)
 
 
+@contextmanager
+def hosting() -> Iterator[None]:
+    """Within it, the calling thread runs a chunk as a worker would (``in_worker``)."""
+    was = getattr(_local, "active", False)
+    _local.active = True
+    try:
+        yield
+    finally:
+        _local.active = was
+
+
 class ShippedSeed(MapRandom):
     """The map's seed base, drawn by the driver.
 
