@@ -114,16 +114,12 @@ class ChunkRun(Generic[T]):
         """Claim and run chunks until none are left; the body of every thread of the pass."""
         if self._next >= len(self._order) or self._halted:
             return  # a helper that started late: nothing left (checked again under the lock)
-        was_worker = in_worker()
-        _worker.active = True
         try:
-            with context:
+            with working_on_a_chunk(), context:
                 while (chunk := self._claim()) is not None:
                     self._run_one(chunk)
         except BaseException as exc:  # a failure of the context, or an interrupt in between
             self._fail(-1, exc)
-        finally:
-            _worker.active = was_worker
 
     def _run_one(self, chunk: int) -> None:
         run_chunk = self._run_chunk
@@ -276,7 +272,7 @@ def run_pipeline(
     Raises:
         The failure of the lowest chunk (producing or consuming), after every thread stopped.
     """
-    nested = in_worker() or getattr(_worker, "alone", False)
+    nested = in_worker()  # also within ``alone``, which only a chunk's thread enters
     inline = nested or executor.caller_works()
     helpers = 0 if nested else max(0, min(executor.workers - 1, count - 1))
     results: list[object] = [None] * count
@@ -351,15 +347,12 @@ def run_pipeline(
                 consume_one(job)
 
     def producer() -> None:
-        was = in_worker()
-        _worker.active = True  # a map nested in f runs inline here
         try:
-            with produce_context(False):
+            with working_on_a_chunk(), produce_context(False):  # a map nested in f: inline
                 drive()
         except BaseException as exc:
             fail(-1, exc)
         finally:
-            _worker.active = was
             done()
 
     def job() -> None:

@@ -405,14 +405,8 @@ def _plain(outputs: list[Tensor], grads: list[Tensor], inputs: list[Any]) -> boo
     for g in grads:
         if type(g) is not tensor or g.is_nested:
             return False
-    for t in inputs:
-        if type(t) is not tensor and type(t) is not torch.nn.Parameter and not _is_edge(t):
-            return False
-    return True
-
-
-def _is_edge(t: object) -> bool:
-    return type(t) is _GRADIENT_EDGE
+    kinds = (tensor, torch.nn.Parameter, _GRADIENT_EDGE)
+    return all(type(t) in kinds for t in inputs)
 
 
 _GRADIENT_EDGE: Any = getattr(torch.autograd.graph, "GradientEdge", None)
