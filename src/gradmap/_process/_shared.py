@@ -29,7 +29,8 @@ NOTE [parameters in shared memory]:
 
     Not shared: tensors on other devices, sparse, quantized or subclassed tensors, and tensors
     whose storage cannot move (a ``torch.from_numpy`` array, for one): they travel by value.
-    Items travel by value too (they change from call to call).
+    Items travel by value too; a chunk of them that has not changed since an earlier call is
+    not pickled again (NOTE [items kept from call to call] in ``_remote/_kept.py``).
 """
 
 from __future__ import annotations

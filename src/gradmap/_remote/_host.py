@@ -38,12 +38,16 @@ from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_b
 from .._torch._graph import Known
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
+from ._kept import KeptItems, KeptOnHost
 from ._pickling import AsIs, LeafTable, dumps_results, loads
 from ._settings import Setting, check_settings
 
 __all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "draw_base", "in_worker"]
 
 Tensor = torch.Tensor
+
+#: A chunk's items as they travel: pickled, or kept (NOTE [items kept from call to call]).
+Items = bytes | KeptItems
 
 #: What ``backward`` returns for a chunk this actor does not hold.
 LOST = "gradmap.lost"
@@ -203,6 +207,7 @@ class Host:
         self._threads = threads
         self._calls: dict[str, _CallState] = {}
         self._functions: OrderedDict[bytes, tuple[Any, LeafTable]] = OrderedDict()
+        self._items = KeptOnHost()  # NOTE [items kept from call to call]
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
         """``f`` unpickled from the payload ``box`` stands for, and the leaves it holds."""
@@ -257,7 +262,7 @@ class Host:
         return state
 
     def forward(
-        self, call_id: str, box: Any, spec: CallSpec, chunks: list[tuple[int, int, bytes]]
+        self, call_id: str, box: Any, spec: CallSpec, chunks: list[tuple[int, int, Items]]
     ) -> list:
         """Run chunks, each given as ``(chunk, start, items)``; keep their graphs if there are.
 
@@ -273,9 +278,9 @@ class Host:
         finally:
             self._drop_if_empty(call_id, state)
 
-    def _forward(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
+    def _forward(self, state: _CallState, k: int, start: int, items: Items) -> bytes:
         spec = state.spec
-        local = cast(list, loads(items, state.leaves))
+        local = cast(list, self._items.load(items, state.leaves))
         if not spec.graph:  # seeded per element as with a graph: the same draws either way
             with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
                 plain = _run(state, start, local, graph=False)
@@ -335,7 +340,7 @@ class Host:
         return out
 
     def forward_sum(
-        self, call_id: str, box: Any, spec: CallSpec, chunks: list[tuple[int, int, bytes]]
+        self, call_id: str, box: Any, spec: CallSpec, chunks: list[tuple[int, int, Items]]
     ) -> list:
         """``tsum``'s chunks, each given as ``(chunk, start, items)``: the forward, and for a
         chunk whose results are all 0-d (losses), its pullback with cotangent one at once
@@ -353,11 +358,11 @@ class Host:
         finally:
             self._drop_if_empty(call_id, state)
 
-    def _forward_sum(self, state: _CallState, k: int, start: int, items: bytes) -> bytes:
+    def _forward_sum(self, state: _CallState, k: int, start: int, items: Items) -> bytes:
         spec = state.spec
         if not spec.graph or spec.remat:
             return self._forward(state, k, start, items)
-        local = cast(list, loads(items, state.leaves))
+        local = cast(list, self._items.load(items, state.leaves))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
             losses = bool(record.outputs) and all(
@@ -398,7 +403,7 @@ class Host:
         call_id: str,
         box: Any,
         spec: CallSpec,
-        chunks: list[tuple[int, bytes, list[list[int]], bytes]],
+        chunks: list[tuple[int, Items, list[list[int]], bytes]],
         backward_state: ThreadState,
     ) -> list:
         """The stateless pullback of chunks, each given as ``(start, items, diff, cotangents)``:
@@ -426,13 +431,13 @@ class Host:
         self,
         state: _CallState,
         start: int,
-        items: bytes,
+        items: Items,
         diff: list[list[int]],
         cotangents: bytes,
         backward_state: ThreadState,
     ) -> bytes:
         spec = state.spec
-        local = cast(list, loads(items, state.leaves))
+        local = cast(list, self._items.load(items, state.leaves))
         cots = _cotangents(cotangents, state.leaves)
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             fresh = _run(state, start, local)

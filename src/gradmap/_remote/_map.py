@@ -8,7 +8,8 @@ NOTE [the map in other processes]:
     - Identity. ``f`` is pickled once per call, and its payload is known by digest: Ray puts it
       in its object store, and the worker processes are sent it, once while it is unchanged, and
       the workers keep it unpickled (a few recent payloads each); each
-      chunk's items are pickled when the chunk is first sent. Every tensor that requires grad
+      chunk's items are pickled when the chunk is first sent, or, unchanged since an earlier
+      call, sent as they were then (NOTE [items kept from call to call]). Every tensor that requires grad
       reachable from them travels as an id (NOTE [tensors travel as identities]); the driver
       keeps id -> original. On a worker they are leaves, so a chunk's graph ends at them: its
       boundary (NOTE [the boundary of a chunk]) is the caller's tensors it used.
@@ -70,6 +71,7 @@ from .._torch._rule import map_torch, sum_results
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker
+from ._kept import KeptItems, items_cache
 from ._pickling import AsIs, TensorTable, dumps, dumps_results, loads_results
 from ._schedule import Job, Transport, run_pass
 from ._settings import settings_of
@@ -117,7 +119,7 @@ class _Call:
         self.progress = progress
         self.box = transport.box(f_payload)
         self.elements: list[tuple[Any, ...]] = []
-        self.items: list[bytes | None] = [None] * plan.count
+        self.items: list[bytes | KeptItems | None] = [None] * plan.count
         self.owners = [-1] * plan.count
         self.diff: list[list[list[int]]] = [[] for _ in range(plan.count)]
         self.bounds: list[tuple[int, int]] = []
@@ -156,18 +158,22 @@ class _Call:
             return AsIs(cotangents)
         return dumps_results(cotangents)
 
-    def pack_items(self, k: int) -> bytes:
+    def pack_items(self, k: int) -> bytes | KeptItems:
         """Chunk ``k``'s items, pickled once (for the caller's own host too: ``f`` runs on
-        copies of the items wherever its chunk runs)."""
-        elements = self.elements
+        copies of the items wherever its chunk runs), or as an earlier call pickled them (NOTE
+        [items kept from call to call])."""
         payload = self.items[k]
         if payload is None:
             start, stop = self.plan.bounds(k)
-            try:
-                payload = dumps(elements[start:stop], self.table)
-            except Exception as exc:
-                add_note(exc, _unpicklable(elements, start, stop, self.api))
-                raise
+            chunk = self.elements[start:stop]
+            payload, found = items_cache.lookup(chunk)
+            if payload is None:
+                try:
+                    pickled = dumps(chunk, self.table)
+                except Exception as exc:
+                    add_note(exc, _unpicklable(self.elements, start, stop, self.api))
+                    raise
+                payload = items_cache.keep(found, pickled) or pickled
             self.items[k] = payload
         return payload
 
@@ -227,7 +233,9 @@ class _Call:
             if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
                 c = cotangents[lo]
                 if c is not None:
-                    per_chunk[k] = [(pid, g * c) for pid, g in early]
+                    # A loss's cotangent is most often one (``loss.backward()``): no product.
+                    one = c.numel() == 1 and c.is_cpu and bool(c == 1)
+                    per_chunk[k] = early if one else [(pid, g * c) for pid, g in early]
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
                 jobs.append(Job(k, None if self.remat else self.owners[k], recompute=self.remat))

@@ -1,0 +1,243 @@
+"""Items kept from call to call: a chunk whose items are the same as at an earlier map is not
+pickled again by the caller, nor unpickled again by a worker that has them.
+
+NOTE [items kept from call to call]:
+    Training maps over the same items at every step, and a chunk's items cost the caller a
+    pickling (about 2 us per tensor, and a copy of its bytes) and each worker an unpickling
+    (as much again) at every call. So the caller keeps, for a chunk of items it pickled, the
+    payload and a *reference*: the chunk's structure and every tensor's bytes. At the next map,
+    a chunk made of the same objects (looked up by their ids) is checked against the reference
+    -- the same types, scalars, dtypes and shapes, and the same bytes, compared in full -- and
+    travels as its earlier payload, under the same key ([`KeptItems`][]). The check reads the
+    items' memory as a copy would and makes no Python object per element; it is what makes the
+    reuse safe: a tensor written in place by any route (``x.data``, a numpy view, a loader that
+    refills its buffers) is seen, where its version counter would not be.
+
+    Only chunks of plain values are kept: tuples and named tuples of ints, floats, strings,
+    ``None`` and plain contiguous CPU tensors that do not require grad (the data of most maps).
+    A chunk holding anything else -- lists and dicts (which may change without a trace), other
+    objects, tensors that require grad (which travel as the call's identities, NOTE [tensors
+    travel as identities]), tensors in shared memory (which travel as handles already) -- is
+    pickled at every call, as before.
+
+    A host (a worker, or the caller's own host) keeps the items it unpickled from a kept
+    payload, by key, and hands ``f`` the same objects at the next call with that key, unless one
+    of their tensors was written in place (its version changed: ``f`` wrote into its items) --
+    then it unpickles the payload again, which every call carries. Nothing has to be told back to
+    the caller, so concurrent maps on one worker need no bookkeeping between them. (A write
+    that bypasses the version counter, ``x.data`` or numpy inside ``f``, is not seen there; it
+    changes a worker's copy, which in the loop would have changed the caller's items.)
+
+    Both sides keep at most ``KEPT_BYTES`` of payloads, least recently used out first; the
+    caller drops a chunk's entry as soon as one of its tensors is freed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ._pickling import LeafTable, loads
+
+__all__ = ["KEPT_BYTES", "ItemsCache", "KeptItems", "KeptOnHost", "items_cache"]
+
+Tensor = torch.Tensor
+
+#: Bytes of kept payloads on each side (the caller keeps the reference too: as much again).
+KEPT_BYTES = 128 << 20
+
+_ATOMS = (int, str, bool, type(None), bytes)
+
+
+class KeptItems:
+    """A chunk's items as a kept payload: the key names the content (one key, one payload)."""
+
+    __slots__ = ("key", "payload")
+
+    def __init__(self, key: int, payload: bytes) -> None:
+        self.key = key
+        self.payload = payload
+
+    def __reduce__(self) -> Any:
+        return KeptItems, (self.key, self.payload)
+
+
+def _flatten(obj: Any, atoms: list[Any], tensors: list[Tensor]) -> bool:
+    """Append ``obj``'s structure and scalars to ``atoms`` and its tensors to ``tensors``;
+    ``False`` if it holds something that is not kept."""
+    kind = type(obj)
+    if kind is Tensor:
+        if obj.requires_grad or not obj.is_cpu or obj.layout != torch.strided:
+            return False
+        atoms.append(obj.dtype)
+        atoms.append(obj.shape)
+        tensors.append(obj)
+        return True
+    if kind in _ATOMS:
+        atoms.append(kind)
+        atoms.append(obj)
+        return True
+    if kind is float:
+        # -0.0 == 0.0 but they are other bytes; a NaN never equals itself (no reuse).
+        atoms.append(kind)
+        atoms.append(obj)
+        atoms.append(math.copysign(1.0, obj))
+        return True
+    if kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        atoms.append(kind)
+        atoms.append(len(obj))
+        return all(_flatten(child, atoms, tensors) for child in obj)
+    return False
+
+
+def _contents(tensors: list[Tensor]) -> bytes | None:
+    """Every tensor's bytes, one after another; ``None`` where one cannot be read so (not
+    contiguous, conjugate or negative bits, a dtype numpy lacks)."""
+    try:
+        return b"".join([t.numpy().data for t in tensors])
+    except (TypeError, RuntimeError, ValueError, BufferError):
+        return None
+
+
+class _Entry:
+    __slots__ = ("__weakref__", "atoms", "contents", "items", "refs")
+
+    def __init__(self, atoms: list[Any], contents: bytes, items: KeptItems) -> None:
+        self.atoms = atoms
+        self.contents = contents
+        self.items = items
+        self.refs: list[Any] = []
+
+
+class ItemsCache:
+    """The caller's kept chunk payloads, by the ids of the chunk's items."""
+
+    def __init__(self, budget: int = KEPT_BYTES) -> None:
+        self.budget = budget
+        self.size = 0
+        self.hits = 0  # chunks sent as kept (for tests and the curious)
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        # Reentrant: a tensor freed by a collection while the lock is held drops its entry.
+        self._lock = threading.RLock()
+
+    def lookup(self, chunk: list[tuple[Any, ...]]) -> tuple[KeptItems | None, Any]:
+        """The kept payload of ``chunk`` if its items are what they were when it was kept;
+        else ``None`` and what [`keep`][] needs."""
+        ident = tuple([id(a) for args in chunk for a in args])
+        with self._lock:
+            entry = self._entries.get(ident)
+            if entry is not None:
+                self._entries.move_to_end(ident)
+        atoms: list[Any] = []
+        tensors: list[Tensor] = []
+        if not all(_flatten(args, atoms, tensors) for args in chunk):
+            return None, None
+        if entry is not None and atoms == entry.atoms:
+            contents = _contents(tensors)
+            if contents is not None and contents == entry.contents:
+                self.hits += 1
+                return entry.items, None
+        return None, (ident, atoms, tensors)
+
+    def keep(self, found: Any, payload: bytes) -> KeptItems | None:
+        """Keep ``payload`` for a chunk [`lookup`][] did not find (``found`` is what it said
+        then); ``None`` where the chunk is not kept."""
+        if found is None or getattr(payload, "keys", None) or len(payload) > self.budget:
+            return None
+        ident, atoms, tensors = found
+        contents = _contents(tensors)
+        if contents is None:
+            return None
+        # A key no other caller makes (Ray's actors may outlive one driver), and plain bytes:
+        # the payload is pickled into every call that sends it.
+        items = KeptItems(uuid.uuid4().int, bytes(payload))
+        entry = _Entry(atoms, contents, items)
+        with self._lock:
+            old = self._entries.pop(ident, None)
+            if old is not None:
+                self.size -= len(old.items.payload)
+            self._entries[ident] = entry
+            self.size += len(payload)
+            while self.size > self.budget:
+                _, dropped = self._entries.popitem(last=False)
+                self.size -= len(dropped.items.payload)
+        # The entry goes when any of its tensors is freed (its id may then name another).
+        drop = _Dropper(self, ident, entry)
+        entry.refs = [weakref.ref(t, drop) for t in tensors]
+        return items
+
+    def _drop(self, ident: tuple[int, ...], entry: _Entry) -> None:
+        with self._lock:
+            if self._entries.get(ident) is entry:
+                del self._entries[ident]
+                self.size -= len(entry.items.payload)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.size = 0
+
+
+class _Dropper:
+    """A weakref callback that drops one entry (holds the cache weakly: no cycle)."""
+
+    __slots__ = ("cache", "entry", "ident")
+
+    def __init__(self, cache: ItemsCache, ident: tuple[int, ...], entry: _Entry) -> None:
+        self.cache = weakref.ref(cache)
+        self.ident = ident
+        self.entry = weakref.ref(entry)
+
+    def __call__(self, _: Any) -> None:
+        cache, entry = self.cache(), self.entry()
+        if cache is not None and entry is not None:
+            cache._drop(self.ident, entry)
+
+
+items_cache = ItemsCache()
+
+
+class KeptOnHost:
+    """A host's items unpickled from kept payloads, by key."""
+
+    def __init__(self, budget: int = KEPT_BYTES) -> None:
+        self.budget = budget
+        self.size = 0
+        self._kept: OrderedDict[int, tuple[Any, list[tuple[Tensor, int]], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def load(self, items: Any, leaves: LeafTable) -> Any:
+        """The items of a chunk: unpickled from a plain payload, or the kept ones."""
+        if type(items) is not KeptItems:
+            return loads(items, leaves)
+        with self._lock:
+            entry = self._kept.get(items.key)
+            if entry is not None:
+                self._kept.move_to_end(items.key)
+        if entry is not None:
+            local, versions, _ = entry
+            if all(t._version == v and not t.requires_grad for t, v in versions):
+                return local
+        local = loads(items.payload, leaves)
+        atoms: list[Any] = []
+        tensors: list[Tensor] = []
+        if all(_flatten(args, atoms, tensors) for args in local):
+            size = len(items.payload)
+            with self._lock:
+                old = self._kept.pop(items.key, None)
+                if old is not None:
+                    self.size -= old[2]
+                self._kept[items.key] = (local, [(t, t._version) for t in tensors], size)
+                self.size += size
+                while self.size > self.budget:
+                    self.size -= self._kept.popitem(last=False)[1][2]
+        return local

@@ -1,0 +1,193 @@
+"""Items kept from call to call on the process executor (``_remote/_kept.py``): a chunk whose
+items are unchanged is not pickled again, and every change to them, by any route, is seen."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import cloudpickle
+import pytest
+import torch
+
+import gradmap
+from gradmap._process import _local
+from gradmap._remote._kept import ItemsCache, items_cache
+
+import support
+
+
+class Bag(NamedTuple):
+    x: torch.Tensor
+    scale: float
+
+
+@pytest.fixture(scope="module")
+def ex() -> Iterator[Any]:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(support)
+    executor = gradmap.ProcessExecutor(workers=2, timeout=120)  # one worker and the caller
+    tiny, _local.TINY = _local.TINY, 0.0
+    try:
+        yield executor
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cloudpickle.unregister_pickle_by_value(support)
+        _local.TINY = tiny
+        executor.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache() -> Iterator[None]:
+    items_cache.clear()
+    yield
+    items_cache.clear()
+
+
+def _bags(n: int = 12, seed: int = 0) -> list[Bag]:
+    g = torch.Generator().manual_seed(seed)
+    return [Bag(torch.randn(1 + i % 5, 3, generator=g), 0.5 + i) for i in range(n)]
+
+
+def _model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+def _loss(model: Any) -> Any:
+    def f(bag: Bag) -> torch.Tensor:
+        return model(bag.x).tanh().sum() * bag.scale
+
+    return f
+
+
+def _grads(model: torch.nn.Module, total: torch.Tensor) -> list[torch.Tensor]:
+    return [g.clone() for g in torch.autograd.grad(total, list(model.parameters()))]
+
+
+def _check(ex: Any, model: Any, bags: list[Any], api: str = "tsum") -> None:
+    f = _loss(model)
+    want = torch.stack([f(b) for b in bags]).sum()
+    if api == "tsum":
+        got = gradmap.tsum(f, bags, executor=ex)
+    else:
+        got = torch.stack(gradmap.tmap(f, bags, executor=ex)).sum()
+    torch.testing.assert_close(got, want)
+    for a, b in zip(_grads(model, got), _grads(model, want)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_unchanged_items_are_sent_as_kept(ex: Any, api: str) -> None:
+    model, bags = _model(), _bags()
+    _check(ex, model, bags, api)
+    assert len(items_cache) > 0
+    hits = items_cache.hits
+    for _ in range(3):
+        _check(ex, model, bags, api)
+    assert items_cache.hits >= hits + 3 * len(items_cache)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["in_place", "data", "numpy", "swap_data", "scalar", "negative_zero", "requires_grad"],
+)
+def test_every_change_to_the_items_is_seen(ex: Any, change: str) -> None:
+    model, bags = _model(), _bags()
+    _check(ex, model, bags)
+    _check(ex, model, bags)  # kept now
+    x = bags[3].x
+    if change == "in_place":
+        with torch.no_grad():
+            x.mul_(-2)
+    elif change == "data":
+        x.data.add_(1.0)  # no version bump
+    elif change == "numpy":
+        x.numpy()[0, 0] = 123.0  # no version bump
+    elif change == "swap_data":
+        x.data = torch.full_like(x, 0.25)
+    elif change == "scalar":
+        bags[5] = Bag(bags[5].x, 7.0)  # a new tuple: new ids
+    elif change == "negative_zero":
+        bags = [Bag(b.x, 0.0) for b in bags]
+        _check(ex, model, bags)
+        _check(ex, model, bags)
+        bags[2] = bags[2]._replace(scale=-0.0)
+    else:
+        x.requires_grad_()
+    _check(ex, model, bags)
+    if change == "requires_grad":
+        f = _loss(model)
+        (got,) = torch.autograd.grad(gradmap.tsum(f, bags, executor=ex), [x])
+        (want,) = torch.autograd.grad(torch.stack([f(b) for b in bags]).sum(), [x])
+        torch.testing.assert_close(got, want)
+
+
+def test_f_writing_into_its_items_gets_fresh_copies(ex: Any) -> None:
+    # In a worker, f writes into its copy of the items; the caller's items do not change, so
+    # every call gives what the first gave (a kept copy that f wrote into is not reused).
+    bags = _bags()
+
+    def f(bag: Bag) -> torch.Tensor:
+        out = bag.x.sum() * bag.scale
+        with torch.no_grad():
+            bag.x.add_(100.0)
+        return out
+
+    first = gradmap.tmap(f, bags, executor=ex)
+    for _ in range(2):
+        again = gradmap.tmap(f, bags, executor=ex)
+        for a, b in zip(again, first):
+            torch.testing.assert_close(a, b)
+
+
+def test_other_items_are_pickled_every_call(ex: Any) -> None:
+    # Lists and dicts may change without a trace: never kept, and changes are seen.
+    model = _model()
+    items = [[torch.randn(2, 3), 1.0] for _ in range(8)]
+
+    def f(item: list[Any]) -> torch.Tensor:
+        return model(item[0]).sum() * item[1]
+
+    for step in range(3):
+        items[1][1] = float(step)
+        got = gradmap.tsum(f, items, executor=ex)
+        torch.testing.assert_close(got, sum(f(i) for i in items))
+    assert len(items_cache) == 0
+
+
+def test_entries_go_with_their_items(ex: Any) -> None:
+    model, bags = _model(), _bags()
+    _check(ex, model, bags)
+    assert len(items_cache) > 0
+    del bags
+    assert len(items_cache) == 0
+
+
+def test_the_cache_keeps_at_most_its_budget() -> None:
+    cache = ItemsCache(budget=3000)
+    chunks = [[(torch.randn(100),)] for _ in range(5)]  # 400 bytes of data each
+    for chunk in chunks:
+        found = cache.lookup(chunk)[1]
+        assert cache.keep(found, b"p" * 1000) is not None
+    assert len(cache) == 3 and cache.size == 3000
+    # The first two went first; the last three are found.
+    assert cache.lookup(chunks[0])[0] is None
+    assert all(cache.lookup(c)[0] is not None for c in chunks[2:])
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(0.0, -0.0), (1, 1.0), (1, True), (2.0, float("nan")), ("a", "b"), ((1, 2), [1, 2])],
+)
+def test_a_chunk_found_by_ids_is_checked_value_by_value(before: Any, after: Any) -> None:
+    # Ids are reused once objects die: what a chunk holds is compared, not only which objects.
+    cache = ItemsCache()
+    t = torch.ones(2)
+    old, new = [(t, before)], [(t, after)]
+    _, (_, atoms, tensors) = cache.lookup(old)
+    ident = tuple(id(a) for args in new for a in args)
+    assert cache.keep((ident, atoms, tensors), b"payload") is not None
+    assert cache.lookup(new)[0] is None
+    assert cache.lookup([(t, before)])[0] is None  # other ids: not found either
