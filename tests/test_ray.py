@@ -345,12 +345,12 @@ def test_worker_killed_between_forward_and_backward(ex):
     _no_state_left(ex)
 
 
-def test_executor_name_when_wired(ex):
-    from gradmap._executors import _NAMES
-
-    if "ray" not in _NAMES:
-        pytest.skip("executor='ray' is not registered yet")
-    assert isinstance(gradmap.tmap(lambda x: x, [1], executor="ray"), list)
+def test_executor_name_ray_gives_the_loops_results_and_gradients(ex):
+    s = _Setup()
+    ref, ref_y = s.grads(_loop)
+    got, got_y = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="ray", chunksize=2))
+    for r, g in zip(ref + ref_y, got + got_y, strict=True):
+        torch.testing.assert_close(g, r)
 
 
 def test_missing_ray_says_how_to_install(monkeypatch):

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._executors import Executor, RemoteExecutor, SerialExecutor, resolve_executor
+from ._executors import Executor, RemoteExecutor, SerialExecutor
 from ._items import zip_items
 from ._plan import check_chunksize, plan_chunks
+from ._resolve import EXECUTORS, resolve_executor
 from ._torch._rule import map_torch, sum_torch
 
 __all__ = ["tmap", "tsum", "zip_items"]
@@ -178,7 +179,7 @@ class _Call:
             raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
         self.f = f
         self.api = api
-        self.executor = resolve_executor(executor, workers, api)
+        self.executor = resolve_executor(executor, workers, EXECUTORS, api)
         if chunksize is not None:
             check_chunksize(chunksize, api)
         self.elements = zip_items(iterables, strict, api=api)
