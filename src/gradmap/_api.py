@@ -10,7 +10,8 @@ from ._executors import Executor, RemoteExecutor, SerialExecutor
 from ._items import zip_items
 from ._plan import check_chunksize, plan_chunks
 from ._resolve import EXECUTORS, resolve_executor
-from ._torch._rule import map_torch, sum_torch
+from ._torch._map import map_torch
+from ._torch._sum import sum_torch
 
 __all__ = ["tmap", "tsum", "zip_items"]
 
