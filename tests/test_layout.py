@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "basics",
         (
             "gradmap._errors",
+            "gradmap._scoped",
             "gradmap._tree",
             "gradmap._plan",
             "gradmap._progress",

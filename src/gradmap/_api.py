@@ -86,7 +86,7 @@ def tmap(
         >>> w.grad
         tensor(6.)
     """
-    call = _Call(f, iterables, executor, workers, chunksize, strict, "gradmap.tmap")
+    call = _Prepared(f, iterables, executor, workers, chunksize, strict, "gradmap.tmap")
     if not call.elements:
         return []
     if not call.executor.shares_memory:  # chunks in other processes: Ray, worker processes
@@ -143,7 +143,7 @@ def tsum(
         >>> w.grad
         tensor(6.)
     """
-    call = _Call(f, iterables, executor, workers, chunksize, strict, "gradmap.tsum")
+    call = _Prepared(f, iterables, executor, workers, chunksize, strict, "gradmap.tsum")
     if not call.elements:
         raise ValueError(
             "gradmap.tsum: there are no elements to sum, and the sum of nothing has no shape; "
@@ -162,7 +162,7 @@ def tsum(
     )
 
 
-class _Call:
+class _Prepared:
     """What ``tmap`` and ``tsum`` check and prepare alike: ``f``, the executor, the chunk size
     (before any item is read), the elements, the plan and the forward's placement."""
 
