@@ -23,9 +23,55 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import gradmap
 from gradmap import _executors
+
+# -- references and data -------------------------------------------------------------------------
+
+
+def loop(f: Callable[..., Any], *iterables: Any) -> list[Any]:
+    """The reference: the plain loop that ``tmap`` replaces."""
+    return [f(*args) for args in zip(*iterables, strict=False)]
+
+
+def ragged(n: int = 10, d: int = 4, seed: int = 0, grad: bool = True) -> list[torch.Tensor]:
+    """``n`` items of 1-6 rows of ``d`` features."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(int(k), d, generator=g).requires_grad_(grad)
+        for k in torch.randint(1, 7, (n,), generator=g)
+    ]
+
+
+class Setup:
+    """An MLP, a closure tensor, a non-leaf tensor made before the call, and ragged items."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.w = torch.randn(4, requires_grad=True)
+        self.a = torch.randn(4, requires_grad=True)
+        self.xs = ragged()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), self.w, self.a, *self.xs]
+
+    def f(self) -> Any:
+        b = self.a * 2  # non-leaf: its own graph runs once, on the driver
+        model, w = self.model, self.w
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(model(x * w + b)).sum() ** 2
+
+        return f
+
+    def grads(self, mapper: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ys = mapper(self.f(), self.xs)
+        loss = sum((i + 1) * y for i, y in enumerate(ys))
+        return list(torch.autograd.grad(loss, self.tensors())), [y.detach() for y in ys]
+
 
 # -- errors ---------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradmap
 
-from support import native_walk
+from support import loop, native_walk
 
 pytestmark = pytest.mark.usefixtures("both_walks")
 
@@ -33,11 +33,6 @@ GLOBAL_W = torch.linspace(-1.0, 1.0, 3).requires_grad_()
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def loop(f: Callable[..., Any], *iterables: Any) -> list[Any]:
-    """The reference: the plain loop."""
-    return [f(*args) for args in zip(*iterables, strict=False)]
 
 
 def weighted_loss(results: list[Any], kind: str = "weighted") -> Tensor:
@@ -545,17 +540,25 @@ def test_serial_pulls_back_in_reverse_element_order():
 
 
 def test_second_backward_without_retain_graph_raises(tmap_kwargs):
+    """As in the loop: the first backward gives the loop's gradient, a second one raises
+    PyTorch's error."""
     w = torch.randn(3, requires_grad=True)
     xs = [torch.randn(3) for _ in range(5)]
     f = lambda x: (x * w).exp().sum()  # noqa: E731
-    ref = torch.stack(loop(f, xs)).sum()
-    ref.backward()
-    with pytest.raises(RuntimeError):
-        ref.backward()
-    loss = torch.stack(gradmap.tmap(f, xs, **tmap_kwargs)).sum()
-    loss.backward()
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+
+    def twice(mapper: Callable[..., list[Tensor]]) -> tuple[Tensor, str]:
+        w.grad = None
+        loss = torch.stack(mapper(f, xs)).sum()
         loss.backward()
+        assert w.grad is not None
+        with pytest.raises(RuntimeError, match="backward through the graph a second time") as e:
+            loss.backward()
+        return w.grad.clone(), type(e.value).__name__
+
+    ref_grad, ref_error = twice(loop)
+    got_grad, got_error = twice(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
+    torch.testing.assert_close(got_grad, ref_grad)
+    assert got_error == ref_error
 
 
 def test_retain_graph_twice_accumulates_like_loop(tmap_kwargs):

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradmap
 
-from support import executor_kwargs
+from support import executor_kwargs, loop
 
 F64 = torch.float64
 
@@ -44,11 +44,6 @@ def ex(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     user's ``ThreadPoolExecutor(2)``."""
     with executor_kwargs(request.param) as (kwargs, _):
         yield kwargs
-
-
-def loop(f: Callable[..., Any], *iterables: Sequence[Any]) -> list[Any]:
-    """The plain loop that ``tmap`` replaces."""
-    return [f(*args) for args in zip(*iterables, strict=True)]
 
 
 def _float_leaves(tree: Any) -> list[Tensor]:

@@ -10,29 +10,35 @@ import pytest
 import torch
 
 import gradmap
-from gradmap._executors import available_cores, resolve_executor
+from gradmap._executors import available_cores
+from gradmap._resolve import EXECUTORS, resolve_executor
 
 from support import deadline
 
 
+def resolve(executor: Any, workers: Any) -> gradmap.Executor:
+    """The executor ``gradmap.tmap`` runs on for these arguments."""
+    return resolve_executor(executor, workers, EXECUTORS, "gradmap.tmap")
+
+
 def test_default_is_shared_threads_on_all_cores():
-    ex = resolve_executor(None, None)
+    ex = resolve(None, None)
     assert isinstance(ex, gradmap.ThreadExecutor)
     assert ex.workers == available_cores()
-    assert resolve_executor("threads", 3).workers == 3
+    assert resolve("threads", 3).workers == 3
 
 
 def test_serial_has_one_worker_and_reverse_backward():
-    ex = resolve_executor("serial", None)
+    ex = resolve("serial", None)
     assert ex.workers == 1 and ex.reverse_backward
 
 
 def test_user_executor_workers_are_its_threads():
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        ex = resolve_executor(pool, None)
+        ex = resolve(pool, None)
         assert isinstance(ex, gradmap.FuturesExecutor) and ex.workers == 3
         assert not ex.caller_works()
-        assert resolve_executor(pool, 2).workers == 2
+        assert resolve(pool, 2).workers == 2
         helping = gradmap.FuturesExecutor(pool, caller_helps=True)
         assert helping.workers == 4 and helping.caller_works()
 
@@ -124,12 +130,12 @@ def test_user_executor_is_not_shut_down():
 @pytest.mark.parametrize("bad", [1.5, "2", True])
 def test_workers_type(bad):
     with pytest.raises(TypeError, match="workers must be an int"):
-        resolve_executor(None, bad)
+        resolve(None, bad)
 
 
 def test_bad_executor_type():
     with pytest.raises(TypeError, match="executor must be"):
-        resolve_executor(42, None)
+        resolve(42, None)
 
 
 def test_caller_thread_settings_untouched_by_a_pool_map():

@@ -764,6 +764,8 @@ def test_argument_errors_name_the_jax_api():
             api(lambda x: x, [1], workers=0)
         with pytest.raises(ValueError, match=f"{name}: unknown executor"):
             api(lambda x: x, [1], executor="nope")
+        with pytest.raises(TypeError, match=f"{name}: the 'processes' executor runs chunks in"):
+            api(lambda x: x, [1], executor="processes")
         with pytest.raises(ValueError, match=rf"{name}\(strict=True\)"):
             api(lambda x, y: x, [1], [1, 2], strict=True)
         with pytest.raises(TypeError, match=f"{name}: iterable 0 is a 0-d array"):

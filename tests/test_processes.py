@@ -25,7 +25,7 @@ import gradmap
 from gradmap._process import _local
 
 import support
-from support import Boom, Killer, SlowBackward, deadline, mark, notes
+from support import Boom, Killer, Setup, SlowBackward, deadline, loop, mark, notes, ragged
 
 #: Every worker pid a test saw (killed ones included): none may outlive ``shutdown``.
 _SEEN_PIDS: set[int] = set()
@@ -57,48 +57,8 @@ def _pids(ex: Any) -> list[int]:
     return pids
 
 
-def _ragged(n: int = 10, d: int = 4, seed: int = 0, grad: bool = True) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(int(k), d, generator=g).requires_grad_(grad)
-        for k in torch.randint(1, 7, (n,), generator=g)
-    ]
-
-
-class _Setup:
-    """An MLP, a closure tensor, a non-leaf tensor made before the call, and ragged items."""
-
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-        self.w = torch.randn(4, requires_grad=True)
-        self.a = torch.randn(4, requires_grad=True)
-        self.xs = _ragged()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.model.parameters(), self.w, self.a, *self.xs]
-
-    def f(self) -> Any:
-        b = self.a * 2  # non-leaf: its own graph runs once, on the driver
-        model, w = self.model, self.w
-
-        def f(x: torch.Tensor) -> torch.Tensor:
-            return torch.sin(model(x * w + b)).sum() ** 2
-
-        return f
-
-    def grads(self, mapper: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        ys = mapper(self.f(), self.xs)
-        loss = sum((i + 1) * y for i, y in enumerate(ys))
-        return list(torch.autograd.grad(loss, self.tensors())), [y.detach() for y in ys]
-
-
-def _loop(f: Any, *xs: Any) -> list[Any]:
-    return [f(*args) for args in zip(*xs)]
-
-
 def _loop_sum(f: Any, *xs: Any) -> Any:
-    results = _loop(f, *xs)
+    results = loop(f, *xs)
     total = results[0]
     for y in results[1:]:
         total = torch.utils._pytree.tree_map(torch.add, total, y)
@@ -130,7 +90,7 @@ def _works(ex: Any) -> None:
     xs = torch.randn(5, 3)
     f = lambda x: torch.tanh(x * w).sum()  # noqa: E731
     ys = gradmap.tmap(f, xs, executor=ex, chunksize=1)
-    ref = _loop(f, xs)
+    ref = loop(f, xs)
     _close(ys, ref)
     _close(
         torch.autograd.grad(torch.stack(ys).sum(), [w]),
@@ -207,8 +167,8 @@ def test_a_tiny_map_runs_in_the_caller_alone(ex, monkeypatch):
 
 def test_maps_from_two_threads_at_once(ex):
     # Two callers share the workers (and the caller's host, which they take in turns).
-    s = _Setup()
-    ref, ref_y = s.grads(_loop)
+    s = Setup()
+    ref, ref_y = s.grads(loop)
     errors: list[BaseException] = []
 
     def caller() -> None:
@@ -230,8 +190,8 @@ def test_maps_from_two_threads_at_once(ex):
 
 
 def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
-    s = _Setup()
-    ref_ys = _loop(s.f(), s.xs)
+    s = Setup()
+    ref_ys = loop(s.f(), s.xs)
     sum((i + 1) * y for i, y in enumerate(ref_ys)).backward()
     ref = [t.grad.clone() for t in s.tensors()]
     for t in s.tensors():
@@ -244,15 +204,15 @@ def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
 
 
 def test_mlp_matches_loop_with_autograd_grad(ex):
-    s = _Setup()
-    ref, ref_y = s.grads(_loop)
+    s = Setup()
+    ref, ref_y = s.grads(loop)
     got, got_y = s.grads(_on(ex))
     _close(got_y, ref_y)
     _close(got, ref)
 
 
 def test_deterministic_across_runs_workers_and_threads(ex):
-    s = _Setup()
+    s = Setup()
     first, _ = s.grads(_on(ex))
     second, _ = s.grads(_on(ex))
     one_worker, _ = s.grads(_on(gradmap.ProcessExecutor(workers=1, timeout=120)))
@@ -272,7 +232,7 @@ def test_closure_tensor_and_non_leaf_made_before_the_call(ex):
         k = torch.exp(c)
         return lambda x: (torch.sin(x * h) * k).sum() ** 2
 
-    ref = _loop(make(), xs)
+    ref = loop(make(), xs)
     got = gradmap.tmap(make(), xs, executor=ex, chunksize=2)
     _close(got, ref)
     g = torch.autograd.grad(torch.stack(got).pow(2).sum(), [w, c])
@@ -286,7 +246,7 @@ def test_items_requiring_grad_leaf_and_non_leaf(ex):
     leaves = [torch.randn(2, requires_grad=True) for _ in range(6)]
     w = torch.randn(3, requires_grad=True)
     f = lambda x, v: (x * w).sum() * v.sin().sum()  # noqa: E731
-    ref = _loop(f, x0 * 2, leaves)
+    ref = loop(f, x0 * 2, leaves)
     got = gradmap.tmap(f, x0 * 2, leaves, executor=ex, chunksize=2)  # non-leaf rows
     _close(got, ref)
     weights = torch.arange(1.0, 7.0)
@@ -305,7 +265,7 @@ def test_one_tensor_as_item_closure_and_result(ex):
 
     f = lambda x: (x, (x * w).sum(), w[1:])  # noqa: E731
     got = gradmap.tmap(f, items(), executor=ex, chunksize=1)
-    ref = _loop(f, items())
+    ref = loop(f, items())
 
     def loss(out: list[Any]) -> torch.Tensor:
         return sum((i + 1) * (a.sum() + b + c.prod()) for i, (a, b, c) in enumerate(out))
@@ -315,14 +275,14 @@ def test_one_tensor_as_item_closure_and_result(ex):
 
 
 def test_pytree_results_tuple_and_dict(ex):
-    xs = _ragged(n=7)
+    xs = ragged(n=7)
     w = torch.randn(4, requires_grad=True)
 
     def f(x: torch.Tensor) -> tuple[Any, ...]:
         y = x * w
         return y.sum(), {"max": y.max(), "rows": x.shape[0], "mean": y.mean(0)}, "tag"
 
-    ref = _loop(f, xs)
+    ref = loop(f, xs)
     got = gradmap.tmap(f, xs, executor=ex, chunksize=3)
     assert [g[2] for g in got] == ["tag"] * 7
     assert [g[1]["rows"] for g in got] == [r[1]["rows"] for r in ref]
@@ -343,7 +303,7 @@ def test_results_not_requiring_grad(ex):
     # A mix: one result leaf requires grad, the others do not.
     f = lambda x: ((x * w).sum(), (x * 3).sum(), x.detach() * w.detach())  # noqa: E731
     got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
-    ref = _loop(f, xs)
+    ref = loop(f, xs)
     for g, r in zip(got, ref):
         assert g[0].requires_grad and not g[1].requires_grad and not g[2].requires_grad
         _close(g, r)
@@ -352,13 +312,13 @@ def test_results_not_requiring_grad(ex):
     h = lambda x: (x * c).sum()  # noqa: E731
     got = gradmap.tmap(h, xs, executor=ex, chunksize=2)
     assert not any(y.requires_grad for y in got)
-    _close(got, _loop(h, xs))
+    _close(got, loop(h, xs))
 
 
 def test_autograd_grad_with_inputs(ex):
-    s = _Setup()
+    s = Setup()
     ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
-    ref = _loop(s.f(), s.xs)
+    ref = loop(s.f(), s.xs)
     some = [s.w, s.xs[3], s.a]
     _close(
         torch.autograd.grad(outputs=torch.stack(ys).sum(), inputs=some),
@@ -367,20 +327,20 @@ def test_autograd_grad_with_inputs(ex):
     # backward(inputs=...): only those accumulate.
     ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
     torch.stack(ys).sum().backward(inputs=[s.w])
-    (r,) = torch.autograd.grad(torch.stack(_loop(s.f(), s.xs)).sum(), [s.w])
+    (r,) = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), [s.w])
     torch.testing.assert_close(s.w.grad, r)
     assert s.a.grad is None and all(p.grad is None for p in s.model.parameters())
 
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_retain_graph_then_second_backward(ex, api):
-    s = _Setup()
+    s = Setup()
     f = s.f()
     if api == "tmap":
         loss = torch.stack(gradmap.tmap(f, s.xs, executor=ex, chunksize=3)).sum()
     else:
         loss = gradmap.tsum(f, s.xs, executor=ex, chunksize=3)
-    ref = torch.autograd.grad(torch.stack(_loop(s.f(), s.xs)).sum(), s.tensors())
+    ref = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), s.tensors())
     g1 = torch.autograd.grad(loss, s.tensors(), retain_graph=True)
     g2 = torch.autograd.grad(loss, s.tensors())
     _close(g1, ref)
@@ -391,10 +351,10 @@ def test_retain_graph_then_second_backward(ex, api):
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_no_grad_forward(ex, api):
-    s = _Setup()
+    s = Setup()
     f = s.f()
     with torch.no_grad():
-        ref = _loop(f, s.xs)
+        ref = loop(f, s.xs)
         if api == "tmap":
             got = gradmap.tmap(f, s.xs, executor=ex, chunksize=2)
             assert not any(y.requires_grad for y in got)
@@ -412,7 +372,7 @@ def _stored(ex: Any) -> int:
 def test_workers_keep_a_map_only_while_its_graph_waits(ex):
     # A worker forgets a map once it holds none of its chunks; the caller releases what is left.
     # (A fresh f per map: a backward frees the graph of its non-leaf closure tensor.)
-    s = _Setup()
+    s = Setup()
     assert _stored(ex) == 0
     ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
     assert _stored(ex) == 2  # each worker holds chunks, waiting for the backward
@@ -459,7 +419,7 @@ def _raise(exc: BaseException) -> Any:
 
 
 def test_tsum_of_losses_matches_loop(ex):
-    s = _Setup()
+    s = Setup()
     total = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2)
     ref = _loop_sum(s.f(), s.xs)
     torch.testing.assert_close(total, ref)
@@ -467,7 +427,7 @@ def test_tsum_of_losses_matches_loop(ex):
 
 
 def test_tsum_of_vectors(ex):
-    s = _Setup()
+    s = Setup()
     model, w = s.model, s.w
 
     def make() -> Any:
@@ -487,7 +447,7 @@ def test_tsum_of_vectors(ex):
 
 
 def test_tsum_of_tuples(ex):
-    s = _Setup()
+    s = Setup()
     w = s.w
 
     def make() -> Any:
@@ -570,13 +530,13 @@ def test_create_graph_backward_raises_naming_threads(ex, api):
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_remat_matches_loop(ex, api):
-    s = _Setup()
+    s = Setup()
     if api == "tmap":
         ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
         loss = sum((i + 1) * y for i, y in enumerate(ys))
     else:
         loss = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
-    ref_ys = _loop(s.f(), s.xs)
+    ref_ys = loop(s.f(), s.xs)
     if api == "tmap":
         _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
     ref = sum((i + 1) * y for i, y in enumerate(ref_ys)) if api == "tmap" else sum(ref_ys)
@@ -607,7 +567,7 @@ def test_remat_applies_buffer_updates_once(ex, api):
 
 
 def test_optimizer_step_in_place_is_seen(ex):
-    s = _Setup()
+    s = Setup()
     model = s.model
     xs = [x.detach() for x in s.xs]
     f = lambda x: torch.sin(model(x)).sum() ** 2  # noqa: E731
@@ -625,7 +585,7 @@ def test_optimizer_step_in_place_is_seen(ex):
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     # tmap too, after the steps
     ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
-    _close([y.detach() for y in ys], [y.detach() for y in _loop(f, xs)])
+    _close([y.detach() for y in ys], [y.detach() for y in loop(f, xs)])
 
 
 def test_swapped_data_and_in_place_constants_are_seen(ex):
@@ -636,7 +596,7 @@ def test_swapped_data_and_in_place_constants_are_seen(ex):
 
     def check() -> None:
         ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
-        ref = _loop(f, xs)
+        ref = loop(f, xs)
         _close([y.detach() for y in ys], [y.detach() for y in ref])
         _close(
             torch.autograd.grad(torch.stack(ys).sum(), list(lin.parameters())),
@@ -666,7 +626,7 @@ def test_changed_python_closure_is_seen(ex):
     for scale in (1.0, 5.0, -2.0):
         state["scale"] = scale
         got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
-        _close([y.detach() for y in got], [y.detach() for y in _loop(f, xs)])
+        _close([y.detach() for y in got], [y.detach() for y in loop(f, xs)])
 
 
 def test_items_in_shared_memory_travel_by_reference(ex):
@@ -682,13 +642,13 @@ def test_items_in_shared_memory_travel_by_reference(ex):
     assert not plain.keys and len(shared.keys) == 2  # by reference: no bytes of the rows
     assert len(shared) < len(plain) - 2 * 3 * 4 * 4 + 64
     f = lambda x: (x @ w).tanh().sum()  # noqa: E731
-    ref = torch.autograd.grad(torch.stack(_loop(f, xs)).sum(), [w])
+    ref = torch.autograd.grad(torch.stack(loop(f, xs)).sum(), [w])
     for _ in range(2):  # the second call: the workers hold the storages already
         got = torch.autograd.grad(torch.stack(gradmap.tmap(f, xs, executor=ex)).sum(), [w])
         _close(got, ref)
     with torch.no_grad():
         xs[0].mul_(2.0)  # an in-place change of a shared item reaches the next call
-    ref = torch.autograd.grad(torch.stack(_loop(f, xs)).sum(), [w])
+    ref = torch.autograd.grad(torch.stack(loop(f, xs)).sum(), [w])
     got = torch.autograd.grad(gradmap.tsum(f, xs, executor=ex), [w])
     _close(got, ref)
 
@@ -735,7 +695,7 @@ def _noisy_reference(w: torch.Tensor, xs: list[torch.Tensor], draws: list[torch.
 
 @pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
 def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
-    xs = _ragged(grad=False)
+    xs = ragged(grad=False)
     w = torch.randn(4, requires_grad=True)
     f = _noisy(w)
 
@@ -765,7 +725,7 @@ def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
 def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
     """Under no_grad too, each element draws from its own seed: the same values as threads and
     serial, and the same in every run with the same seed (a worker did not seed there)."""
-    xs = _ragged(grad=False)
+    xs = ragged(grad=False)
     f = lambda x: x.sum(0) + torch.rand(4)  # noqa: E731
 
     def run(executor: Any) -> torch.Tensor:
@@ -780,7 +740,7 @@ def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
 
 
 def test_random_tsum_matches_threads(ex):
-    xs = _ragged(grad=False)
+    xs = ragged(grad=False)
     w = torch.randn(4, requires_grad=True)
     f0 = _noisy(w)
     f = lambda x: f0(x)[0]  # noqa: E731
@@ -806,7 +766,7 @@ class _LocalError(KeyError):
 
 @pytest.mark.parametrize("error", [Boom, _LocalError], ids=["imported", "by-value"])
 def test_exception_in_forward_names_the_element(ex, error):
-    xs = _ragged()
+    xs = ragged()
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:
         if i == 3:
@@ -837,7 +797,7 @@ class _FailingBackward(torch.autograd.Function):
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_exception_in_backward_names_the_element(ex, api):
-    xs = _ragged()
+    xs = ragged()
     f = lambda i, x: _FailingBackward.apply(x, i == 4).sum()  # noqa: E731
     if api == "tmap":
         loss = torch.stack(gradmap.tmap(f, range(10), xs, executor=ex, chunksize=3)).sum()
@@ -889,7 +849,7 @@ def test_unpicklable_item_names_the_element(ex):
 # -- dead workers -----------------------------------------------------------------------------
 
 
-def _lossy(s: _Setup, forward_marker: str | None, backward_marker: str | None) -> Any:
+def _lossy(s: Setup, forward_marker: str | None, backward_marker: str | None) -> Any:
     model, w = s.model, s.w
     b = s.a * 2
 
@@ -911,10 +871,10 @@ def _died(exc: BaseException) -> bool:
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 @deadline(90, main_thread=True)
 def test_worker_killed_while_running(ex, tmp_path, phase):
-    s = _Setup()
+    s = Setup()
     idx = range(len(s.xs))
     ref_f = _lossy(s, None, None)
-    ref_ys = _loop(ref_f, idx, s.xs)
+    ref_ys = loop(ref_f, idx, s.xs)
     ref = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref_ys)), s.tensors())
     pids = _pids(ex)
     marker = tmp_path / "pid"
@@ -946,8 +906,8 @@ def _tagged(f: Any) -> Any:
 @pytest.mark.parametrize("victims", ["one", "all"])
 @deadline(90, main_thread=True)
 def test_worker_killed_between_forward_and_backward(ex, victims):
-    s = _Setup()
-    ref, ref_y = s.grads(_loop)
+    s = Setup()
+    ref, ref_y = s.grads(loop)
     out = gradmap.tmap(_tagged(s.f()), s.xs, executor=ex, chunksize=2)
     ys, owners = [o[0] for o in out], {o[1] for o in out} - {os.getpid()}  # not the caller
     assert owners <= set(_pids(ex))
@@ -970,7 +930,7 @@ def test_worker_killed_between_forward_and_backward(ex, victims):
 
 @deadline(90, main_thread=True)
 def test_worker_killed_between_forward_and_backward_tsum_vectors(ex):
-    s = _Setup()
+    s = Setup()
     model, w = s.model, s.w
     f = lambda x: torch.tanh(model[0](x * w)).mean(0)  # noqa: E731  (kept on the workers)
     total = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
@@ -1023,8 +983,8 @@ def _state(pid: int) -> str | None:
 
 @deadline(90, main_thread=True)
 def test_executor_name_processes(ex):
-    s = _Setup()
-    ref, ref_y = s.grads(_loop)
+    s = Setup()
+    ref, ref_y = s.grads(loop)
     got, got_y = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="processes", chunksize=2))
     _close(got_y, ref_y)
     _close(got, ref)
@@ -1049,7 +1009,7 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("inner", [None, "processes"])
 def test_nested_tmap_runs_on_the_worker(ex, inner):
-    xs = _ragged(n=6)
+    xs = ragged(n=6)
     w = torch.randn(4, requires_grad=True)
 
     def f(x: torch.Tensor) -> tuple[torch.Tensor, int, list[int]]:
@@ -1059,7 +1019,7 @@ def test_nested_tmap_runs_on_the_worker(ex, inner):
         return torch.stack(rows).pow(2).sum() + total, os.getpid(), where
 
     got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
-    ref = _loop(f, xs)
+    ref = loop(f, xs)
     pids = {*_pids(ex), os.getpid()}  # the workers, and the caller (its chunks run as theirs)
     for (y, pid, where), (r, _, _) in zip(got, ref):
         assert pid in pids

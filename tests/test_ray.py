@@ -30,7 +30,7 @@ from gradmap._ray import RayExecutor  # noqa: E402
 from gradmap._ray._cluster import ensure_connected  # noqa: E402
 
 import support  # noqa: E402
-from support import Killer, SlowBackward, mark  # noqa: E402
+from support import Killer, Setup, SlowBackward, loop, mark, ragged  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,43 +49,6 @@ def ex() -> Iterator[RayExecutor]:
         executor.shutdown()
         if started:
             ray.shutdown()
-
-
-def _ragged(n: int = 10, d: int = 4, seed: int = 0, grad: bool = True) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(int(k), d, generator=g).requires_grad_(grad)
-        for k in torch.randint(1, 7, (n,), generator=g)
-    ]
-
-
-class _Setup:
-    """A model, a closure tensor, a non-leaf tensor made before the call, and ragged items."""
-
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-        self.w = torch.randn(4, requires_grad=True)
-        self.a = torch.randn(4, requires_grad=True)
-        self.xs = _ragged()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.model.parameters(), self.w, self.a, *self.xs]
-
-    def grads(self, mapper: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        b = self.a * 2  # non-leaf: its own graph must run once, on the driver
-        model, w = self.model, self.w
-
-        def f(x: torch.Tensor) -> torch.Tensor:
-            return torch.sin(model(x * w + b)).sum() ** 2
-
-        ys = mapper(f, self.xs)
-        loss = sum((i + 1) * y for i, y in enumerate(ys))
-        return list(torch.autograd.grad(loss, self.tensors())), [y.detach() for y in ys]
-
-
-def _loop(f: Any, xs: Any) -> list[Any]:
-    return [f(x) for x in xs]
 
 
 def _on_ray(ex: RayExecutor, **kwargs: Any) -> Any:
@@ -111,8 +74,8 @@ def test_local_instance_listens_on_loopback(ex):
 
 
 def test_gradients_match_loop_and_threads(ex):
-    s = _Setup()
-    ref, ref_y = s.grads(_loop)
+    s = Setup()
+    ref, ref_y = s.grads(loop)
     got, got_y = s.grads(_on_ray(ex))
     threads, _ = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="threads", chunksize=2))
     for r, g in zip(ref + ref_y, got + got_y):
@@ -123,7 +86,7 @@ def test_gradients_match_loop_and_threads(ex):
 
 
 def test_deterministic_across_runs_and_workers(ex):
-    s = _Setup()
+    s = Setup()
     first, _ = s.grads(_on_ray(ex))
     second, _ = s.grads(_on_ray(ex))
     one_actor, _ = s.grads(_on_ray(RayExecutor(workers=1)))
@@ -132,7 +95,7 @@ def test_deterministic_across_runs_and_workers(ex):
 
 
 def test_remat_matches_bitwise(ex):
-    s = _Setup()
+    s = Setup()
     stored, _ = s.grads(_on_ray(ex))
     remat, _ = s.grads(_on_ray(ex, remat=True))
     _assert_bitwise(stored, remat)
@@ -156,7 +119,7 @@ def test_tensor_iterable_pytrees_and_objects(ex):
 
 
 def test_random_f_gives_the_threads_results_and_generator_state(ex):
-    xs = _ragged(grad=False)
+    xs = ragged(grad=False)
     w = torch.randn(4, requires_grad=True)
 
     def f(x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +153,7 @@ def test_no_grad_and_default_dtype_reach_workers(ex):
 
 
 def test_exception_in_f_names_the_element(ex):
-    xs = _ragged()
+    xs = ragged()
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:
         if i == 7:
@@ -218,7 +181,7 @@ class _FailingBackward(torch.autograd.Function):
 
 
 def test_exception_in_backward_names_the_element(ex):
-    xs = _ragged()
+    xs = ragged()
     ys = gradmap.tmap(
         lambda i, x: _FailingBackward.apply(x, i == 4).sum(),
         range(10),
@@ -234,13 +197,13 @@ def test_exception_in_backward_names_the_element(ex):
 
 
 def test_retain_graph_and_second_backward(ex):
-    s = _Setup()
+    s = Setup()
     f = lambda x: (s.model(x) * s.w.sum()).sum()  # noqa: E731
     ys = gradmap.tmap(f, s.xs, executor=ex, chunksize=3)
     loss = torch.stack(ys).sum()
     (g1,) = torch.autograd.grad(loss, [s.w], retain_graph=True)
     (g2,) = torch.autograd.grad(loss, [s.w])
-    (ref,) = torch.autograd.grad(torch.stack(_loop(f, s.xs)).sum(), [s.w])
+    (ref,) = torch.autograd.grad(torch.stack(loop(f, s.xs)).sum(), [s.w])
     assert torch.equal(g1, g2)
     torch.testing.assert_close(g1, ref)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -257,7 +220,7 @@ def test_create_graph_is_refused(ex):
 
 
 def test_freed_graph_leaves_no_state(ex):
-    s = _Setup()
+    s = Setup()
     ys = gradmap.tmap(lambda x: s.model(x).sum(), s.xs, executor=ex, chunksize=2)
     assert sum(ex.stored_calls()) >= 1  # the graphs wait on the actors for a backward
     del ys
@@ -294,7 +257,7 @@ def test_progress_counts_every_element_in_both_passes(ex):
 
 
 def _lossy_grads(
-    ex: RayExecutor, s: _Setup, forward_marker: str | None, backward_marker: str | None
+    ex: RayExecutor, s: Setup, forward_marker: str | None, backward_marker: str | None
 ) -> list[torch.Tensor]:
     model, w = s.model, s.w
     b = s.a * 2
@@ -312,7 +275,7 @@ def _lossy_grads(
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_worker_killed_gives_the_same_gradients(ex, tmp_path, phase):
-    s = _Setup()
+    s = Setup()
     expected = _lossy_grads(ex, s, None, None)
     pids = ex.worker_pids()
     marker = tmp_path / "pid"
@@ -322,7 +285,7 @@ def test_worker_killed_gives_the_same_gradients(ex, tmp_path, phase):
     killer.join()
     assert len(killer.killed) == 1
     _assert_bitwise(got, expected)
-    ref, _ = s.grads(_loop)
+    ref, _ = s.grads(loop)
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r)
     after = ex.worker_pids()  # the killed actor was restarted, in a new process
@@ -331,7 +294,7 @@ def test_worker_killed_gives_the_same_gradients(ex, tmp_path, phase):
 
 
 def test_worker_killed_between_forward_and_backward(ex):
-    s = _Setup()
+    s = Setup()
     expected, _ = s.grads(_on_ray(ex))
     b = s.a * 2
     model, w = s.model, s.w
@@ -345,12 +308,12 @@ def test_worker_killed_between_forward_and_backward(ex):
     _no_state_left(ex)
 
 
-def test_executor_name_when_wired(ex):
-    from gradmap._executors import _NAMES
-
-    if "ray" not in _NAMES:
-        pytest.skip("executor='ray' is not registered yet")
-    assert isinstance(gradmap.tmap(lambda x: x, [1], executor="ray"), list)
+def test_executor_name_ray_gives_the_loops_results_and_gradients(ex):
+    s = Setup()
+    ref, ref_y = s.grads(loop)
+    got, got_y = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="ray", chunksize=2))
+    for r, g in zip(ref + ref_y, got + got_y, strict=True):
+        torch.testing.assert_close(g, r)
 
 
 def test_missing_ray_says_how_to_install(monkeypatch):

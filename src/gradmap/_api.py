@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._executors import Executor, RemoteExecutor, SerialExecutor, resolve_executor
+from ._executors import Executor, RemoteExecutor, SerialExecutor
 from ._items import zip_items
 from ._plan import check_chunksize, plan_chunks
-from ._torch._rule import map_torch, sum_torch
+from ._resolve import EXECUTORS, resolve_executor
+from ._torch._map import map_torch
+from ._torch._sum import sum_torch
 
 __all__ = ["tmap", "tsum", "zip_items"]
 
@@ -84,7 +86,7 @@ def tmap(
         >>> w.grad
         tensor(6.)
     """
-    call = _Call(f, iterables, executor, workers, chunksize, strict, "gradmap.tmap")
+    call = _Prepared(f, iterables, executor, workers, chunksize, strict, "gradmap.tmap")
     if not call.elements:
         return []
     if not call.executor.shares_memory:  # chunks in other processes: Ray, worker processes
@@ -141,7 +143,7 @@ def tsum(
         >>> w.grad
         tensor(6.)
     """
-    call = _Call(f, iterables, executor, workers, chunksize, strict, "gradmap.tsum")
+    call = _Prepared(f, iterables, executor, workers, chunksize, strict, "gradmap.tsum")
     if not call.elements:
         raise ValueError(
             "gradmap.tsum: there are no elements to sum, and the sum of nothing has no shape; "
@@ -160,7 +162,7 @@ def tsum(
     )
 
 
-class _Call:
+class _Prepared:
     """What ``tmap`` and ``tsum`` check and prepare alike: ``f``, the executor, the chunk size
     (before any item is read), the elements, the plan and the forward's placement."""
 
@@ -178,7 +180,7 @@ class _Call:
             raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
         self.f = f
         self.api = api
-        self.executor = resolve_executor(executor, workers, api)
+        self.executor = resolve_executor(executor, workers, EXECUTORS, api)
         if chunksize is not None:
             check_chunksize(chunksize, api)
         self.elements = zip_items(iterables, strict, api=api)

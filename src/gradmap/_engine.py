@@ -13,13 +13,14 @@ thread is running, so nothing is left running or half-done when the error reache
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Generic, TypeVar
 
 from ._executors import Executor
+from ._scoped import scoped
 
-__all__ = ["ChunkRun", "alone", "in_worker", "run_chunks", "working_on_a_chunk"]
+__all__ = ["ChunkRun", "alone", "on_a_chunk", "run_chunks", "working_on_a_chunk"]
 
 T = TypeVar("T")
 
@@ -31,33 +32,21 @@ ThreadContext = Callable[[bool], AbstractContextManager[object]]
 _worker = threading.local()
 
 
-def in_worker() -> bool:
+def on_a_chunk() -> bool:
     """Whether the calling thread is working on a chunk of some map (a nested call's caller)."""
     return getattr(_worker, "active", False)
 
 
-@contextmanager
-def working_on_a_chunk() -> Iterator[None]:
-    """Within it, the calling thread counts as running a chunk of some map (``in_worker``): a
+def working_on_a_chunk() -> AbstractContextManager[None]:
+    """Within it, the calling thread counts as running a chunk of some map (``on_a_chunk``): a
     map called from it runs inline (for a host that runs a worker's chunk in this thread)."""
-    was = in_worker()
-    _worker.active = True
-    try:
-        yield
-    finally:
-        _worker.active = was
+    return scoped(_worker, "active", True)
 
 
-@contextmanager
-def alone() -> Iterator[None]:
+def alone() -> AbstractContextManager[None]:
     """Within it, a map called from this thread runs every chunk in this thread, with no
     helpers (for a thread that holds a lock its chunks' threads would wait for)."""
-    was = getattr(_worker, "alone", False)
-    _worker.alone = True
-    try:
-        yield
-    finally:
-        _worker.alone = was
+    return scoped(_worker, "alone", True)
 
 
 def _no_context(is_caller: bool) -> AbstractContextManager[object]:
@@ -210,7 +199,7 @@ def run_chunks(
     """
     order: Sequence[int] = range(count - 1, -1, -1) if reverse else range(count)
     run: ChunkRun[T] = ChunkRun(order, run_chunk, on_done)
-    helps = in_worker() or executor.caller_works()
+    helps = on_a_chunk() or executor.caller_works()
     helpers = min(executor.workers, count) - (1 if helps else 0)
     if getattr(_worker, "alone", False):
         helps, helpers = True, 0
@@ -272,7 +261,7 @@ def run_pipeline(
     Raises:
         The failure of the lowest chunk (producing or consuming), after every thread stopped.
     """
-    nested = in_worker()  # also within ``alone``, which only a chunk's thread enters
+    nested = on_a_chunk()  # also within ``alone``, which only a chunk's thread enters
     inline = nested or executor.caller_works()
     helpers = 0 if nested else max(0, min(executor.workers - 1, count - 1))
     results: list[object] = [None] * count

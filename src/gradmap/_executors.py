@@ -37,7 +37,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
-import operator
 import os
 import threading
 import weakref
@@ -51,7 +50,6 @@ __all__ = [
     "FuturesExecutor",
     "RemoteExecutor",
     "available_cores",
-    "resolve_executor",
 ]
 
 
@@ -326,70 +324,3 @@ class RemoteExecutor(Executor):
 
 def _is_shut_down(executor: concurrent.futures.Executor) -> bool:
     return bool(getattr(executor, "_shutdown", False) or getattr(executor, "_broken", False))
-
-
-def _ray_executor(workers: int | None) -> Executor:
-    from ._ray import RayExecutor  # lazy: Ray is an optional extra, imported on use
-
-    return RayExecutor(workers)
-
-
-def _process_executor(workers: int | None) -> Executor:
-    from ._process import default_executor  # lazy: starts no process until a map needs one
-
-    return default_executor(workers)
-
-
-_NAMES: dict[str, Callable[[int | None], Executor]] = {
-    "threads": ThreadExecutor,
-    "serial": SerialExecutor,
-    "processes": _process_executor,
-    "ray": _ray_executor,
-}
-
-
-def resolve_executor(executor: object, workers: int | None, api: str = "gradmap.tmap") -> Executor:
-    """Turn ``tmap``'s ``executor`` and ``workers`` arguments into an [`Executor`][].
-
-    Arguments:
-        executor: ``None`` or ``"threads"`` (the shared pool), ``"serial"``, a gradmap
-            [`Executor`][], or any `concurrent.futures.Executor`.
-        workers: threads that may run chunks at once, the caller's included; ``None`` for the
-            executor's own default (the available cores for the shared pool).
-        api: the public function called, named in errors (``"gradmap.tsum"``, ...).
-
-    Returns:
-        The executor to run chunks on.
-    """
-    if workers is not None:
-        if isinstance(workers, bool):
-            raise TypeError(f"{api}: workers must be an int or None, got {workers!r}")
-        try:
-            workers = operator.index(workers)
-        except TypeError:
-            raise TypeError(f"{api}: workers must be an int or None, got {workers!r}") from None
-        if workers < 1:
-            raise ValueError(
-                f"{api}: workers must be at least 1, got {workers}; "
-                "pass workers=None for the available cores"
-            )
-    if executor is None:
-        return ThreadExecutor(workers)
-    if isinstance(executor, str):
-        make = _NAMES.get(executor)
-        if make is None:
-            raise ValueError(
-                f"{api}: unknown executor {executor!r}; expected one of "
-                f"{sorted(_NAMES)}, a concurrent.futures.Executor, or a gradmap.Executor"
-            )
-        return make(workers)
-    if isinstance(executor, FuturesExecutor):
-        return executor.named(api)
-    if isinstance(executor, Executor):
-        return executor
-    if isinstance(executor, concurrent.futures.Executor):
-        return FuturesExecutor(executor, workers, api=api)
-    raise TypeError(
-        f"{api}: executor must be None, a name (one of {sorted(_NAMES)}), a "
-        f"concurrent.futures.Executor or a gradmap.Executor; got {type(executor).__name__}"
-    )

@@ -8,6 +8,7 @@ generic flatten altogether.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ try:
 except ImportError:  # pragma: no cover - optree missing
     import torch.utils._pytree as pytree  # type: ignore[no-redef]
 
-__all__ = ["Spec", "flatten", "unflatten"]
+__all__ = ["Spec", "fill_leaves", "flatten", "unflatten"]
 
 #: ``None`` for a bare tensor, else the pytree spec.
 Spec = Any
@@ -36,3 +37,19 @@ def unflatten(leaves: list[Any], spec: Spec) -> Any:
     if spec is None:
         return leaves[0]
     return pytree.tree_unflatten(leaves, spec)
+
+
+def fill_leaves(
+    trees: Iterable[tuple[list[Any], Spec, Sequence[int]]], values: Sequence[Any]
+) -> list[Any]:
+    """Each tree, given as its leaves, its spec and the positions of some of its leaves, rebuilt
+    with those leaves replaced by ``values``, taken in order (a join node's outputs put back in
+    the results they stand for). The lists of leaves are filled in place."""
+    results = []
+    j = 0
+    for leaves, spec, positions in trees:
+        for pos in positions:
+            leaves[pos] = values[j]
+            j += 1
+        results.append(unflatten(leaves, spec))
+    return results

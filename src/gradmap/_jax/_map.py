@@ -44,8 +44,9 @@ from typing import Any
 
 from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
-from .._executors import Executor, resolve_executor
+from .._executors import Executor, SerialExecutor, ThreadExecutor
 from .._plan import ChunkPlan, plan_chunks
+from .._resolve import Names, resolve_executor
 from ._chunks import TMAP, TSUM, Pending, chunk_elements
 from ._config import JaxConfig
 from ._items import zip_jax_items
@@ -238,14 +239,37 @@ def _start(
 
 
 def _resolve(executor: Any, workers: int | None, api: str) -> Executor:
-    """``resolve_executor``, its errors naming ``api``; executors that share memory only."""
-    resolved = resolve_executor(executor, workers, api)
+    """``resolve_executor`` with JAX's names, its errors naming ``api``; executors that share
+    memory only."""
+    resolved = resolve_executor(executor, workers, _names(api), api)
     if not resolved.shares_memory:
-        raise TypeError(
-            f"{api}: the {resolved.name!r} executor runs chunks in other processes; a JAX map "
-            "runs on threads: pass executor=None, 'threads', 'serial' or a ThreadPoolExecutor"
-        )
+        raise _not_threads(resolved.name, api)
     return resolved
+
+
+def _names(api: str) -> Names:
+    """The executor names a JAX map accepts: the thread pool and the serial reference; the
+    names of the executors that run chunks in other processes say so."""
+
+    def refuse(name: str) -> Any:
+        def make(workers: int | None) -> Executor:
+            raise _not_threads(name, api)
+
+        return make
+
+    return {
+        "threads": ThreadExecutor,
+        "serial": SerialExecutor,
+        "processes": refuse("processes"),
+        "ray": refuse("ray"),
+    }
+
+
+def _not_threads(name: str, api: str) -> TypeError:
+    return TypeError(
+        f"{api}: the {name!r} executor runs chunks in other processes; a JAX map "
+        "runs on threads: pass executor=None, 'threads', 'serial' or a ThreadPoolExecutor"
+    )
 
 
 def _loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> list[Any]:

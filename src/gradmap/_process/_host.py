@@ -7,15 +7,36 @@ import queue
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from .._remote._host import CallSpec, Host
 from .._remote._pickling import LeafTable, loads
-from ._shared import worker_storages
-from ._worker import FDS_PER_MESSAGE as _FDS_PER_MESSAGE
-from ._worker import PayloadCache
+from ._shared import FDS_PER_MESSAGE, worker_storages
 
-__all__ = ["ProcessHost"]
+__all__ = ["PAYLOADS_KEPT", "PayloadCache", "ProcessHost"]
+
+#: Payloads of ``f`` (and the functions unpickled from them) a worker keeps, by digest; the
+#: caller keeps the same account of what each worker holds.
+PAYLOADS_KEPT = 8
+
+
+class PayloadCache:
+    """Payloads by digest, least recently used out first (the caller mirrors it)."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[bytes, Any] = OrderedDict()
+
+    def get(self, digest: bytes) -> Any:
+        value = self.items[digest]
+        self.items.move_to_end(digest)
+        return value
+
+    def put(self, digest: bytes, value: Any) -> None:
+        self.items[digest] = value
+        self.items.move_to_end(digest)
+        while len(self.items) > PAYLOADS_KEPT:
+            self.items.popitem(last=False)
 
 
 class ProcessHost(Host):
@@ -33,7 +54,7 @@ class ProcessHost(Host):
         def receive() -> None:
             try:
                 while True:
-                    _, fds_got, _, _ = socket.recv_fds(fds, 16, _FDS_PER_MESSAGE)
+                    _, fds_got, _, _ = socket.recv_fds(fds, 16, FDS_PER_MESSAGE)
                     if not fds_got:
                         break
                     for fd in fds_got:

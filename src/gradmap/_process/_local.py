@@ -49,7 +49,7 @@ from .._placement import key_of
 from .._remote._host import Host, hosting
 from .._remote._pickling import LeafTable
 from .._torch._random import SEEDING
-from ._worker import PAYLOADS_KEPT
+from ._host import PAYLOADS_KEPT
 
 __all__ = ["TINY", "LocalHost", "learn", "local_host", "tiny"]
 

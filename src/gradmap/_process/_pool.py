@@ -22,7 +22,8 @@ NOTE [worker processes]:
     call it had in flight ends with ``WorkerLost``, the pass runs those chunks again elsewhere
     (NOTE [a pass over the actors] in ``_remote/_schedule.py``), and the next call to that
     worker starts a new process in its place. Workers ignore ``SIGINT``, die with the caller
-    (``PR_SET_PDEATHSIG``; and when their socket closes), and are stopped at interpreter exit.
+    (when their socket closes, and when their parent changes: ``_worker.py``), and are stopped
+    at interpreter exit.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from typing import Any
 from .._errors import add_note
 from .._remote._pickling import Payload
 from .._remote._schedule import Transport, WorkerLost
+from ._host import PAYLOADS_KEPT
 from ._local import LocalHost, learn
-from ._shared import Sharer
-from ._worker import FDS_PER_MESSAGE, PAYLOADS_KEPT
+from ._shared import FDS_PER_MESSAGE, Sharer
 
 __all__ = ["Pool", "ProcessTransport", "get_pool", "shutdown_pools"]
 
@@ -57,6 +58,9 @@ _COMMAND = "from gradmap._process._worker import main; main()"
 #: Work methods whose answers end with the seconds the worker spent on them (``ProcessHost``).
 _TIMED = ("forward", "forward_sum")
 _SOCKET_BUFFER = 4 << 20  # bytes: a chunk's items in one write, where the kernel allows it
+#: The folder that holds the ``gradmap`` package (three up from this file), put on the worker's
+#: path so that it imports this gradmap.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Call:
@@ -93,12 +97,9 @@ class _Worker:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-        import gradmap
-
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(gradmap.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p
         )
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
         self.process = subprocess.Popen(

@@ -41,7 +41,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedRef", "Sharer", "WorkerStorages", "caller_storages", "worker_storages"]
+__all__ = [
+    "FDS_PER_MESSAGE",
+    "SharedRef",
+    "Sharer",
+    "WorkerStorages",
+    "caller_storages",
+    "worker_storages",
+]
+
+#: File descriptors sent in one datagram on the second socket (the kernel's limit is 253).
+FDS_PER_MESSAGE = 200
 
 Tensor = torch.Tensor
 

@@ -26,18 +26,10 @@ import sys
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["FDS_PER_MESSAGE", "PAYLOADS_KEPT", "main"]
-
-#: File descriptors sent in one datagram (the kernel's limit is 253).
-FDS_PER_MESSAGE = 200
-
-#: Payloads of ``f`` (and the functions unpickled from them) a worker keeps, by digest; the
-#: caller keeps the same account of what each worker holds.
-PAYLOADS_KEPT = 8
+__all__ = ["main"]
 
 
 def _watch_parent(parent: int) -> None:
@@ -97,21 +89,3 @@ def _error(exc: BaseException) -> tuple[str, bytes | None, str]:
     except Exception:
         payload = None
     return ("error", payload, text)
-
-
-class PayloadCache:
-    """Payloads by digest, least recently used out first (the caller mirrors it)."""
-
-    def __init__(self) -> None:
-        self.items: OrderedDict[bytes, Any] = OrderedDict()
-
-    def get(self, digest: bytes) -> Any:
-        value = self.items[digest]
-        self.items.move_to_end(digest)
-        return value
-
-    def put(self, digest: bytes, value: Any) -> None:
-        self.items[digest] = value
-        self.items.move_to_end(digest)
-        while len(self.items) > PAYLOADS_KEPT:
-            self.items.popitem(last=False)

@@ -344,7 +344,7 @@ class Host:
     ) -> list:
         """``tsum``'s chunks, each given as ``(chunk, start, items)``: the forward, and for a
         chunk whose results are all 0-d (losses), its pullback with cotangent one at once
-        (NOTE [tsum pulls back during the forward] in ``_torch/_rule``); such a chunk keeps
+        (NOTE [tsum pulls back during the forward] in ``_torch/_sum``); such a chunk keeps
         nothing. Any other chunk is kept as ``forward`` keeps it.
 
         Returns:

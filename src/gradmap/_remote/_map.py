@@ -3,7 +3,8 @@ pullbacks where the graphs live, a fixed-order sum. Ray's actors and gradmap's w
 both run it; they differ only in the transport (``_schedule.Transport``).
 
 NOTE [the map in other processes]:
-    The thread executor's rule (``_torch/_rule.py``) with the chunks in other processes:
+    The thread executor's rule (``_torch/_map.py``, ``_torch/_sum.py``) with the chunks in other
+    processes:
 
     - Identity. ``f`` is pickled once per call, and its payload is known by digest: Ray puts it
       in its object store, and the worker processes are sent it, once while it is unchanged, and
@@ -67,9 +68,11 @@ from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._torch._graph import buffers_kept, keep_graph
 from .._torch._graph import transforms_active as _transforms_active
-from .._torch._rule import map_torch, sum_results
+from .._torch._map import map_torch
+from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
-from .._tree import flatten, unflatten
+from .._torch._sum import sum_results
+from .._tree import fill_leaves, flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker
 from ._kept import KeptItems, items_cache
 from ._pickling import AsIs, TensorTable, dumps, dumps_results, loads_results
@@ -91,7 +94,7 @@ def _release(transport: Transport, call_id: str, held: dict[int, int] | None) ->
         transport.release(call_id, workers)
 
 
-class _Call:
+class _Driver(JoinGraph):
     """The driver's state of one map: what the join's backward needs, and the release."""
 
     def __init__(
@@ -137,6 +140,20 @@ class _Call:
         """Release the call on every worker (after a failed pass: calls may still be running)."""
         self._finalizer.detach()
         _release(self.transport, self.id, None)
+
+    def join_context(self) -> contextlib.AbstractContextManager[object]:
+        return torch._C.DisableTorchFunction()
+
+    def join_outputs(self) -> tuple[Tensor, ...]:
+        return tuple(t.detach() for t in self.outputs)
+
+    def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"{self.api}: a create_graph=True backward through the map (double backward) is "
+                "not supported in other processes; use executor='threads'"
+            )
+        return self.backward(cotangents, keep_graph())
 
     def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:
         run_pass(
@@ -288,27 +305,6 @@ class _Call:
         return totals
 
 
-class _Join(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, call: _Call, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        with torch._C.DisableTorchFunction():
-            ctx.save_for_backward(torch.empty(0))
-            return tuple(t.detach() for t in call.outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
-        call: _Call = ctx.call
-        if torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"{call.api}: a create_graph=True backward through the map (double backward) is "
-                "not supported in other processes; use executor='threads'"
-            )
-        return (None, *call.backward(cotangents, keep_graph()))
-
-
 def map_remote(
     f: Any,
     elements: list[tuple[Any, ...]],
@@ -336,8 +332,9 @@ def map_remote(
     """
     summed = api == "gradmap.tsum"
     if _transforms_active() or in_worker():
-        # NOTE [torch.func and forward AD] in _rule: the plain loop, in the caller's process. A
-        # map inside f, on a worker: this process is one worker with its CPUs, so it runs here.
+        # NOTE [torch.func and forward AD] in _torch/_map: the plain loop, in the caller's
+        # process. A map inside f, on a worker: this process is one worker with its CPUs, so it
+        # runs here.
         results = map_torch(f, elements, SerialExecutor(), plan, remat=remat, progress=progress)
         return sum_results(results) if summed else results
     transport: Transport = executor.transport(f, api, plan.n)  # type: ignore[assignment]
@@ -364,7 +361,7 @@ def map_remote(
             "executor='threads'",
         )
         raise
-    call = _Call(f, transport, f_payload, spec, table, plan, executor, remat, progress)
+    call = _Driver(f, transport, f_payload, spec, table, plan, executor, remat, progress)
     try:
         per_chunk = call.forward(elements, "forward_sum" if summed and graph else "forward")
     except BaseException:
@@ -403,15 +400,9 @@ def map_remote(
         call.outputs = []
         results = [unflatten(leaves, spec_) for leaves, spec_, _ in placed]
     else:
-        joined = _Join.apply(call, *inputs)
+        joined = JoinNode.apply(call, *inputs)
         call.outputs = []  # the join's outputs are the results' now (no cycle through the join)
-        results = []
-        j = 0
-        for leaves, spec_, positions in placed:
-            for pos in positions:
-                leaves[pos] = joined[j]
-                j += 1
-            results.append(unflatten(leaves, spec_))
+        results = fill_leaves(placed, joined)
         if not any(call.owners[k] >= 0 for k in range(plan.count)) and not remat:
             call.release()  # nothing is kept on the workers (tsum's chunks of losses)
     return sum_results(results, sizes) if summed else results

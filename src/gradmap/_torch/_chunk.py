@@ -163,7 +163,7 @@ def run_forward(
 
 
 #: What ``pull_back`` returns for a chunk that can only be pulled back as a plain ``backward()``
-#: (NOTE [reentrant checkpoint] in ``_rule``).
+#: (NOTE [reentrant checkpoint] in ``_map``).
 ACCUMULATE: Any = "gradmap.accumulate"
 #: What ``pull_back_sum`` returns for a chunk whose early pullback failed.
 DEFERRED: Any = "gradmap.deferred"

@@ -51,13 +51,14 @@ import gc
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, NoReturn
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd.graph import GradientEdge
 
+from .._scoped import scoped
 from ._native import native
 
 __all__ = [
@@ -107,17 +108,11 @@ _ACCUMULATE_GRAD = _accumulate_grad_type()
 _pullback = threading.local()
 
 
-@contextmanager
-def pulling_back(owner: object) -> Iterator[None]:
+def pulling_back(owner: object) -> AbstractContextManager[None]:
     """Mark the calling thread as running a chunk pullback of the map ``owner`` stands for
     (NOTE [nothing past the boundary]). A map nested in ``f`` pulls back inside its outer map's
     pullback: only the innermost owner's hooks block."""
-    was = getattr(_pullback, "owner", None)
-    _pullback.owner = owner
-    try:
-        yield
-    finally:
-        _pullback.owner = was
+    return scoped(_pullback, "owner", owner)
 
 
 class Boundary:

@@ -32,7 +32,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .._engine import in_worker
+from .._engine import on_a_chunk
 
 __all__ = ["SEEDING", "MapRandom"]
 
@@ -80,7 +80,7 @@ class MapRandom:
         """Around a forward in one thread: this map owns the global generator (a lock keeps
         other maps' seeding out), draws its base on first use, and leaves the generator as that
         one draw left it."""
-        with nullcontext() if in_worker() else SEEDING:  # nested: the outer map holds it
+        with nullcontext() if on_a_chunk() else SEEDING:  # nested: the outer map holds it
             gen = torch.default_generator
             if self._after is None:
                 self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .._engine import alone, in_worker
+from .._engine import alone, on_a_chunk
 
 __all__ = ["guard_parameter_swaps"]
 
@@ -61,7 +61,7 @@ def _guarded(original: Any) -> Any:
     @contextlib.contextmanager
     @functools.wraps(original)
     def _reparametrize_module(*args: Any, **kwargs: Any) -> Iterator[None]:
-        if not in_worker():
+        if not on_a_chunk():
             with original(*args, **kwargs):
                 yield
             return

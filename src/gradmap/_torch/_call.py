@@ -1,0 +1,163 @@
+"""The call: one call of ``tmap`` or ``tsum`` on threads, and what every pass over its chunks
+needs -- the caller's state, the map's random numbers, where the forward runs (NOTE [forward
+placement]), a pass with its progress bar, a chunk's recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._engine import ChunkRun, run_chunks
+from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
+from .._placement import Placement, placement_for
+from .._plan import ChunkPlan
+from .._progress import open_progress
+from ._chunk import ChunkRecord, run_forward
+from ._graph import Known
+from ._native import native
+from ._random import MapRandom
+from ._state import ThreadState
+from ._swaps import guard_parameter_swaps
+
+__all__ = ["CALLER", "MapCall"]
+
+#: The caller's own thread, as an executor.
+CALLER = SerialExecutor()
+
+
+class MapCall:
+    """One call of ``tmap``/``tsum``: what every pass needs."""
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        elements: list[tuple[Any, ...]],
+        executor: Executor,
+        plan: ChunkPlan,
+        *,
+        remat: bool,
+        progress: Any,
+        placement: str,
+        api: str,
+    ) -> None:
+        self.f: Callable[..., Any] | None = f
+        self.elements: list[tuple[Any, ...]] | None = elements
+        self.executor = executor
+        self.plan = plan
+        self.remat = remat
+        self.progress = progress
+        self.api = api
+        self.n = len(elements)
+        self.state = ThreadState()
+        self.random = MapRandom()
+        self.placement: Placement = placement_for(
+            f,
+            forced_many=placement == "many",
+            forced_one=placement == "one",
+            # maps of one f over counts within a factor of two share a history
+            kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length()),
+        )
+        self.known: Known | None = None
+        self.owner = object()  # what this map's blocking hooks answer to
+        if executor.workers > 1:
+            guard_parameter_swaps()  # NOTE [parameters swapped by functional_call]
+
+    @property
+    def gated(self) -> bool:
+        """Whether chunk boundaries come from the native walk (NOTE [the native walk])."""
+        return native() is not None
+
+    # -- passes -------------------------------------------------------------------------------
+
+    def run_pass(
+        self,
+        phase: str,
+        run_chunk: Callable[[int, ChunkRun[Any]], Any],
+        *,
+        executor: Executor | None = None,
+        reverse: bool = False,
+        context: Callable[[bool], Any] | None = None,
+    ) -> list[Any]:
+        """One pass over the chunks, with the caller's state and an optional progress bar."""
+        plan = self.plan
+        bar = open_progress(self.progress, phase, plan.n, self.api)
+        on_done = None if bar is None else (lambda k: bar.update(len(range(*plan.bounds(k)))))
+        try:
+            return run_chunks(
+                executor or self.executor,
+                plan.count,
+                run_chunk,
+                reverse=reverse,
+                context=context or self.state.enter,
+                on_done=on_done,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def forward(self, with_graph: bool) -> list[ChunkRecord]:
+        """Every chunk's forward, placed in one thread or on the pool."""
+        f, elements, plan = self.f, self.elements, self.plan
+        assert f is not None and elements is not None
+        known = self.known if with_graph else None
+        placement = self.placement
+        seeded = None if placement.many else self.random
+
+        def forward_chunk(k: int, run: ChunkRun[ChunkRecord]) -> ChunkRecord:
+            record = run_forward(
+                f,
+                elements,
+                range(*plan.bounds(k)),
+                known=known,
+                random=seeded,
+                stop=lambda: run.stopped(k),
+                api=self.api,
+            )
+            if self.remat:
+                record.drop_graph()  # its boundary is read: free it before the next chunk
+            return record
+
+        def one_thread() -> list[ChunkRecord]:
+            with self.random.seeding():
+                return self.run_pass("forward", forward_chunk, executor=self.one_thread())
+
+        if placement.many:
+            records = placement.timed(lambda: self.run_pass("forward", forward_chunk), self.n)
+        else:
+            records = placement.timed(one_thread, self.n)
+        placement.learned_random(self.random.drew)
+        return records
+
+    @property
+    def off_caller(self) -> bool:
+        """Whether chunk forwards may run on other threads than the caller's."""
+        return not isinstance(self.executor, SerialExecutor)
+
+    def one_thread(self) -> Executor:
+        """Where a forward in one thread runs: the caller's thread for the serial reference (as
+        its loop would), one thread of a user's executor (NOTE [a user's executor runs every
+        chunk]), else one of gradmap's pool threads, which compute as the pool's other threads do
+        (one intra-op thread: NOTE [forward placement])."""
+        if isinstance(self.executor, ThreadExecutor):
+            return ThreadExecutor(1)
+        if isinstance(self.executor, FuturesExecutor):
+            return self.executor.one_thread()
+        return CALLER
+
+    def recompute(self, indices: list[int], seeded: bool = False) -> ChunkRecord:
+        """A fresh forward of some elements, with a graph (in a backward pass's thread); with
+        ``seeded``, replaying each element's random numbers even if ``f`` was not seen to draw."""
+        assert self.f is not None and self.elements is not None and self.known is not None
+        self.known.complete()
+        replay = self.random.replaying(seeded)
+        with torch.enable_grad(), self.state.autocast_context(), replay as seeded_by:
+            return run_forward(
+                self.f, self.elements, indices, known=self.known, random=seeded_by, api=self.api
+            )
+
+    def free(self) -> None:
+        self.f = self.elements = None
+        self.known = None

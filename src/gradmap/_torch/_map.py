@@ -1,0 +1,240 @@
+"""The map: ``tmap`` on threads -- the chunks' forwards, their results wired into the caller's
+graph through the join node (NOTE [the join node] in ``_node``), and the join's backward: every
+chunk's pullback on the executor, summed in chunk order.
+
+NOTE [double backward recomputes]:
+    A first-order gradient built with ``create_graph=True`` refers to the nodes of the graph it
+    was pulled back through. Built on a chunk's stored graph, a second-order backward would reach
+    that graph twice -- directly, and through the join again when the join's cotangent depends on
+    the map's results -- and the first pass frees what the second needs. So a ``create_graph``
+    backward recomputes each live chunk (replaying autocast and each element's random numbers) and
+    pulls back through the fresh graph, which is connected to the same boundary; the stored graph
+    stays the join's. ``remat=True`` recomputes the same way, with ``create_graph`` off.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from .._engine import ChunkRun
+from .._executors import Executor
+from .._join import JoinLayout, sum_in_chunk_order
+from .._plan import ChunkPlan
+from .._tree import fill_leaves, unflatten
+from ._call import CALLER, MapCall
+from ._chunk import ACCUMULATE, ChunkRecord, pull_back
+from ._graph import (
+    BlockHooks,
+    Known,
+    buffers_kept,
+    hooks_quiet,
+    keep_graph,
+    needed,
+    plain_backward,
+    retains_grad,
+    transforms_active,
+)
+from ._node import JoinGraph, JoinNode, layout_of
+from ._state import ThreadState
+
+__all__ = ["MapGraph", "map_torch"]
+
+Tensor = torch.Tensor
+
+
+def map_torch(
+    f: Callable[..., Any],
+    elements: list[tuple[Any, ...]],
+    executor: Executor,
+    plan: ChunkPlan,
+    *,
+    remat: bool = False,
+    progress: Any = False,
+    placement: str = "auto",
+) -> list[Any]:
+    """``[f(*args) for args in elements]`` on ``executor`` (threads: chunks share the caller's
+    memory), differentiable as the loop is."""
+    if transforms_active():
+        # NOTE [torch.func and forward AD]: functorch's interpreter stack and forward-AD levels
+        # are state the worker threads do not share, and the join node has no forward rule, so
+        # under a transform the map runs as the plain loop, in the caller's thread.
+        return [f(*args) for args in elements]
+    call = MapCall(
+        f,
+        elements,
+        executor,
+        plan,
+        remat=remat,
+        progress=progress,
+        placement=placement,
+        api="gradmap.tmap",
+    )
+    with_graph = torch.is_grad_enabled() and not call.state.inference
+    if with_graph:
+        call.known = Known(f, elements, eager=call.off_caller)
+    records = call.forward(with_graph)
+    if not with_graph:
+        return [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
+    return _join(call, records)
+
+
+def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
+    """Wire the chunks' results into the caller's graph through one join node."""
+    layout = layout_of(records)
+    outputs = [t for r in records for t in r.outputs]
+    if outputs and layout.inputs:
+        joined: Sequence[Tensor] = JoinNode.apply(MapGraph(call, records, layout), *layout.inputs)
+    else:
+        joined = outputs
+        call.free()
+
+    def taken() -> Any:
+        for r in records:
+            for el in r.elements:
+                # The results take the leaves over: the graph keeps no reference to the join's
+                # outputs (which would make a cycle through the join node's context).
+                leaves, el.leaves = el.leaves, []
+                yield leaves, el.spec, el.diff
+
+    return fill_leaves(taken(), joined)
+
+
+class MapGraph(JoinGraph):
+    """The state shared by the join node's forward and backward."""
+
+    def __init__(self, call: MapCall, records: list[ChunkRecord], layout: JoinLayout[Tensor]):
+        self.call = call
+        self.records: list[ChunkRecord] | None = records
+        self.layout = layout
+        self.outputs = [t for r in records for t in r.outputs]
+        hooks = BlockHooks((node for r in records for node in r.boundary.nodes), call.owner)
+        # Removed in the caller's backward once the graph is done with (the finalizer is for a
+        # graph never pulled back): a collection in any thread could otherwise remove them while
+        # another map's pullback runs the same shared node's pre-hooks.
+        self._remove_hooks = weakref.finalize(self, hooks.remove)
+
+    def join_outputs(self) -> tuple[Tensor, ...]:
+        outputs, self.outputs = self.outputs, []
+        return tuple(t.detach() for t in outputs)
+
+    def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
+        call, layout, records = self.call, self.layout, self.records
+        assert records is not None
+        create_graph = torch.is_grad_enabled()
+        fresh = call.recompute if (create_graph or call.remat) else None
+        free_graph = not keep_graph()
+        wanted = self.wanted(ctx)
+
+        def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
+            return pull_back(
+                records[k],
+                chunk_cotangents(k),
+                n=call.n,
+                owner=call.owner,
+                recompute=fresh,
+                create_graph=create_graph,
+                free_graph=free_graph,
+                rerun=call.recompute,
+                wanted=wanted(k),
+                api=call.api,
+            )
+
+        def chunk_cotangents(k: int) -> Sequence[Tensor | None]:
+            lo, hi = layout.output_bounds[k]
+            return cotangents[lo:hi]
+
+        return self.backward(
+            backward_chunk,
+            chunk_cotangents,
+            create_graph=create_graph,
+            recomputes=fresh is not None,
+        )
+
+    def wanted(self, ctx: Any) -> Callable[[int], list[bool] | None]:
+        """For each chunk, which of its boundary entries the running backward needs (``None``:
+        all): ``autograd.grad`` with some inputs runs no element that reaches none of them, as
+        the engine prunes the loop's graph. ``ctx``: the join's, in its backward."""
+        mask = needed(ctx, len(self.layout.inputs))
+        if all(mask):
+            return lambda k: None
+        positions = self.layout.positions
+        return lambda k: [mask[p] for p in positions[k]]
+
+    def backward(
+        self,
+        backward_chunk: Callable[[int, ChunkRun[Any]], Any],
+        chunk_cotangents: Callable[[int], Sequence[Tensor | None]],
+        *,
+        create_graph: bool,
+        recomputes: bool,
+    ) -> list[Tensor | None]:
+        """The join's backward: every chunk's pullback on the executor, the chunks that need a
+        plain ``backward()`` after them (NOTE [reentrant checkpoint]), the chunk-order sum."""
+        call, layout, records = self.call, self.layout, self.records
+        assert records is not None
+        state = ThreadState(grad_enabled=create_graph)
+        # The Python walk's pullbacks reach the boundary tensors' own hooks: a retained
+        # gradient's hook writes .grad from each pullback (one at a time), and the hooks are set
+        # aside meanwhile. Past the native walk's gates no pullback runs them.
+        gated = call.gated
+        serial = CALLER if not gated and retains_grad(layout.inputs) else None
+        quiet = nullcontext() if gated else hooks_quiet(layout.inputs)
+        with quiet, buffers_kept(call.f) if recomputes else nullcontext():
+            per_chunk = call.run_pass(
+                "backward",
+                backward_chunk,
+                executor=serial,
+                reverse=call.executor.reverse_backward,
+                context=state.enter,
+            )
+        for k, grads_k in enumerate(per_chunk):
+            if grads_k is ACCUMULATE:
+                _accumulate(call, records[k], chunk_cotangents(k))
+                per_chunk[k] = None  # the plain backward passed everything on
+        grads = sum_in_chunk_order(layout, per_chunk, torch.add)
+        if not keep_graph():
+            self.records = None
+            call.free()
+            self._remove_hooks()
+        return grads
+
+
+def _accumulate(call: MapCall, record: ChunkRecord, cotangents: Sequence[Tensor | None]) -> None:
+    """A chunk's pullback as a plain ``backward()``, in the caller's backward.
+
+    NOTE [reentrant checkpoint]:
+        ``torch.utils.checkpoint(..., use_reentrant=True)`` refuses to run inside
+        ``autograd.grad`` or a backward with ``inputs=`` -- a chunk pullback -- and in the loop
+        works only under a plain ``.backward()``. When a chunk meets it, and the caller's backward
+        is such a plain one, the chunk is pulled back the way the loop would: a ``backward()`` of
+        its outputs, run here in the caller's backward, one chunk after another in chunk order,
+        accumulating into the leaves' ``.grad`` and running the graph behind the chunk's
+        non-leaf boundary with the chunk's share (so the join passes nothing on for that
+        chunk). Under ``autograd.grad`` the loop fails with PyTorch's error, and so does the map.
+    """
+    if not plain_backward():
+        raise RuntimeError(
+            "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or "
+            "passing an `inputs` parameter to .backward(); f uses it, so the map's backward "
+            "must be a plain .backward() too, as in the loop. Fix: use_reentrant=False."
+        )
+    live = [
+        e
+        for e, el in enumerate(record.elements)
+        if any(cotangents[o] is not None for o in range(*el.outputs))
+    ]
+    source = record if record.stored else call.recompute([record.elements[e].index for e in live])
+    outs, grads = [], []
+    for e, el in enumerate(source.elements):
+        original = record.elements[e if record.stored else live[e]]
+        for o, o_src in zip(range(*original.outputs), range(*el.outputs)):
+            g = cotangents[o]
+            if g is not None:
+                outs.append(source.outputs[o_src])
+                grads.append(g)
+    torch.autograd.backward(outs, grads, retain_graph=True)

@@ -1,0 +1,90 @@
+"""The join node: the one ``autograd.Function`` of a map, whose inputs are every chunk's boundary
+and whose outputs are its differentiable results; for threads (``_map``, ``_sum``) and for the
+driver of a map in other processes (``gradmap/_remote/_map.py``) alike.
+
+NOTE [the join node]:
+    Each chunk runs ``f`` untouched (NOTE [forward placement] says in which thread) and leaves a
+    record: its outputs with their graph, and its boundary, read off that graph (NOTE [the boundary
+    of a chunk] in ``_graph``). One ``autograd.Function`` -- the join -- then takes as inputs every
+    chunk's boundary tensors, each once (``_join.JoinLayout``), and returns detached aliases of
+    every differentiable result: the user's graph sees the whole map as one node, whose edges are
+    the leaves and the tensors made before the call that the map reached. Those are only known
+    once ``f`` has run, which is why the chunks run before ``apply``.
+
+    The join's backward splits the cotangents by chunk and runs each chunk's pullback on the
+    executor: one ``autograd.grad`` with the chunk's boundary as ``inputs`` (the engine runs it
+    without the GIL, so chunks pull back in parallel, and writes no ``.grad``). Elements whose
+    cotangents are all missing or zero do no backward work. The gradients of an input several
+    chunks reach are added in chunk order (NOTE [chunk-order sum]).
+
+    ``retain_graph``: chunk graphs are always pulled back with ``retain_graph=True`` (so a failing
+    chunk can be pulled back element by element to name the element) and dropped after the
+    backward unless the outer backward keeps the graph; a second backward then fails with
+    PyTorch's own error, raised by the join's saved (dummy) tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from .._join import JoinLayout
+from ._chunk import ChunkRecord
+
+__all__ = ["JoinGraph", "JoinNode", "layout_of"]
+
+Tensor = torch.Tensor
+
+
+def layout_of(records: Sequence[ChunkRecord]) -> JoinLayout[Tensor]:
+    """Where each chunk's boundary and differentiable results sit among the join's inputs and
+    outputs."""
+    return JoinLayout(
+        [r.boundary.tensors for r in records],
+        [r.boundary.keys for r in records],
+        [len(r.outputs) for r in records],
+    )
+
+
+class JoinGraph:
+    """What a join node holds: the outputs it hands out, once, and its backward."""
+
+    def join_context(self) -> AbstractContextManager[object]:
+        """The context the join's forward runs in."""
+        return nullcontext()
+
+    def join_outputs(self) -> tuple[Tensor, ...]:
+        """The join's outputs (its forward's), handed out once."""
+        raise NotImplementedError
+
+    def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> Sequence[Any]:
+        """The gradient of each join input (``None`` where none), given the outputs'
+        cotangents; ``ctx`` is the join's."""
+        raise NotImplementedError
+
+
+class _Join(torch.autograd.Function):
+    """The join: ``JoinNode.apply(graph, *inputs)`` returns ``graph``'s outputs, as one node of
+    the caller's graph whose edges are ``inputs``."""
+
+    @staticmethod
+    def forward(ctx: Any, graph: JoinGraph, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.graph = graph
+        ctx.set_materialize_grads(False)
+        with graph.join_context():
+            ctx.save_for_backward(torch.empty(0))
+            return graph.join_outputs()
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
+        graph: JoinGraph = ctx.graph
+        return (None, *graph.join_backward(ctx, cotangents))
+
+
+#: The join; its node in the caller's graph is a ``_JoinBackward`` (``_SumJoinBackward`` for
+#: ``tsum`` on threads: a subclass), as users see in ``grad_fn``.
+JoinNode = _Join
