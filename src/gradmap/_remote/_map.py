@@ -8,11 +8,11 @@ NOTE [the map in other processes]:
 
     - Identity. ``f`` is pickled once per call, and its payload is known by digest: Ray puts it
       in its object store, and the worker processes are sent it, once while it is unchanged, and
-      the workers keep it unpickled (a few recent payloads each); each
-      chunk's items are pickled when the chunk is first sent, or, unchanged since an earlier
-      call, sent as they were then (NOTE [items kept from call to call]). Every tensor that requires grad
-      reachable from them travels as an id (NOTE [tensors travel as identities]); the driver
-      keeps id -> original. On a worker they are leaves, so a chunk's graph ends at them: its
+      the workers keep it unpickled (a few recent payloads each); each chunk's items are
+      pickled when the chunk is first sent, or, unchanged since an earlier call, sent as they
+      were then (NOTE [items kept from call to call]). Every tensor that requires grad reachable
+      from them travels as an id (NOTE [tensors travel as identities]); the driver keeps id ->
+      original. On a worker they are leaves, so a chunk's graph ends at them: its
       boundary (NOTE [the boundary of a chunk]) is the caller's tensors it used.
     - Forward. Chunks go to the actors (NOTE [a pass over the actors]); each runs a chunk record's
       forward (``_torch/_chunk.py``, as threads do) under the caller's grad mode and autocast,
