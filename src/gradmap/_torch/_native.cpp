@@ -110,6 +110,11 @@ struct Walk {
   std::vector<Node*> stack;
   std::vector<Place> to_leaves;  // edges to leaves, gated only if the chunk has non-leaf edges
   bool non_leaf = false;
+  // The accumulators of leaves the chunk returns as they are. A leaf holds its accumulator
+  // weakly: one that no graph holds is made anew by each gradient_edge(), so a leaf returned
+  // twice would get two (entries keyed by accumulator: two entries, its gradient counted
+  // twice). Held here, every output that is that leaf finds the same one.
+  std::vector<NodePtr> returned;
 
   // The gate for the outside edge (node, nr), made on first sight (with its boundary entry, or
   // on the leaf's entry).
@@ -192,6 +197,9 @@ py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi)
       auto edge = torch::autograd::impl::gradient_edge(t);  // a leaf's accumulator, if a leaf
       if (!edge.function) {
         continue;
+      }
+      if (!t.grad_fn()) {
+        w.returned.push_back(edge.function);
       }
       auto noted = w.to_leaves.size();
       if (w.leaves_chunk(edge, Place{nullptr, i})) {
