@@ -17,6 +17,12 @@ Variants (each computes the total loss and its gradient to the parameters):
 - ``serial``: the same with ``executor="serial"`` (the map's machinery, no threads).
 - ``tsum``: ``jax.value_and_grad`` of ``gradmap.jax.tsum(lambda bag: bag_loss_jit(p, bag),
   bags)`` on the shared thread pool: each bag one compiled ``value_and_grad`` step.
+- ``tsum_serial``: ``tsum`` with ``executor="serial"``: its per-bag time less ``loop_vg``'s is
+  gradmap's own cost per element (the line under the table).
+- ``raw``: the ``loop_vg`` calls on plain threads (one per core, chunks of 4 bags taken in turn,
+  each thread's sums added at the end), no gradmap: what threads can gain on this machine at
+  all, the ceiling of ``tsum`` (XLA:CPU already runs one call's large operations on several
+  cores, so the loop itself keeps more than one core busy: the ``cores`` column).
 - ``padded``: ``jax.jit(jax.value_and_grad)`` of a ``vmap`` over the bags padded to the largest
   and masked: one compilation, no map at all.
 
@@ -34,13 +40,14 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["VARIANTS", "bag_loss", "concurrency", "make_bags", "run", "main"]
 
-VARIANTS = ("loop", "loop_vg", "tmap", "serial", "tsum", "padded")
+VARIANTS = ("loop", "loop_vg", "tmap", "serial", "tsum", "tsum_serial", "raw", "padded")
 SIZES = (64, 128, 128, 1)
 MIN_SIZE, MAX_SIZE = 5, 200
 
@@ -121,11 +128,40 @@ def _variants(workers: int | None) -> dict[str, Callable[[Params, list[Bag]], An
 
         return total
 
-    def summed(params: Params, bags: list[Bag]) -> Any:
-        def loss(p: Params) -> Any:
-            return gmj.tsum(lambda bag: loss_jit(p, bag), bags, workers=workers)
+    def summed(executor: str | None) -> Callable[[Params, list[Bag]], Any]:
+        def total(params: Params, bags: list[Bag]) -> Any:
+            def loss(p: Params) -> Any:
+                return gmj.tsum(
+                    lambda bag: loss_jit(p, bag), bags, executor=executor, workers=workers
+                )
 
-        return jax.value_and_grad(loss)(params)
+            return jax.value_and_grad(loss)(params)
+
+        return total
+
+    def raw(params: Params, bags: list[Bag]) -> Any:
+        chunks = [bags[i : i + 4] for i in range(0, len(bags), 4)]
+        taken = iter(range(len(chunks)))
+        lock = threading.Lock()
+        parts: list[Any] = [None] * len(chunks)
+
+        def work() -> None:
+            while True:
+                with lock:
+                    k = next(taken, None)
+                if k is None:
+                    return
+                parts[k] = loop_vg(params, chunks[k])
+
+        threads = [threading.Thread(target=work) for _ in range(workers or _cores())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total, grad = parts[0]
+        for value, g in parts[1:]:
+            total, grad = total + value, jax.tree_util.tree_map(jnp.add, grad, g)
+        return total, grad
 
     @jax.jit
     def padded_value_and_grad(params: Params, x: Any, mask: Any, y: Any) -> Any:
@@ -156,7 +192,9 @@ def _variants(workers: int | None) -> dict[str, Callable[[Params, list[Bag]], An
         "loop_vg": loop_vg,
         "tmap": mapped(None),
         "serial": mapped("serial"),
-        "tsum": summed,
+        "tsum": summed(None),
+        "tsum_serial": summed("serial"),
+        "raw": raw,
         "padded": padded,
     }
 
@@ -209,9 +247,10 @@ def run(
     for rep in range(reps):
         for k in range(len(names)):
             name = names[(rep + k) % len(names)]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             _, grad = jax.block_until_ready(table[name](params, bags))
             results[name]["times_s"].append(time.perf_counter() - start)
+            results[name].setdefault("cpu_s", []).append(time.process_time() - cpu)
             if name != "loop":
                 diff = _max_rel_diff(grad, reference)
                 previous = results[name]["max_rel_grad_diff"] or 0.0
@@ -221,6 +260,8 @@ def run(
     for result in results.values():
         result["median_s"] = statistics.median(result["times_s"])
         result["per_bag_us"] = result["median_s"] / n * 1e6
+        if result["times_s"]:
+            result["cores_busy"] = sum(result["cpu_s"]) / sum(result["times_s"])
     return results
 
 
@@ -232,17 +273,29 @@ def format_results(results: dict[str, dict[str, Any]], n: int) -> str:
     base_vg = results.get("loop_vg", {}).get("median_s")
     lines = [
         f"JAX ragged bags, N={n}, cores={_cores()}, jax {_jax_version()}",
-        f"{'variant':<9} {'first run':>10} {'median':>10} {'per bag':>10} {'vs loop':>8} "
-        f"{'vs loop_vg':>11} {'grad rel diff':>14}",
+        f"{'variant':<11} {'first run':>10} {'median':>10} {'per bag':>10} {'cores':>6} "
+        f"{'vs loop':>8} {'vs loop_vg':>11} {'grad rel diff':>14}",
     ]
     for name, r in results.items():
         speedup = f"{base / r['median_s']:.2f}x" if base else "-"
         speedup_vg = f"{base_vg / r['median_s']:.2f}x" if base_vg else "-"
         diff = r["max_rel_grad_diff"]
+        busy = r.get("cores_busy")
         lines.append(
-            f"{name:<9} {r['first_s']:>9.2f}s {r['median_s'] * 1e3:>8.1f}ms "
-            f"{r['per_bag_us']:>8.0f}us {speedup:>8} {speedup_vg:>11} "
-            f"{'-' if diff is None else f'{diff:.1e}':>14}"
+            f"{name:<11} {r['first_s']:>9.2f}s {r['median_s'] * 1e3:>8.1f}ms "
+            f"{r['per_bag_us']:>8.0f}us {'-' if busy is None else f'{busy:.2f}':>6} "
+            f"{speedup:>8} {speedup_vg:>11} {'-' if diff is None else f'{diff:.1e}':>14}"
+        )
+    per_bag = {name: r["per_bag_us"] for name, r in results.items()}
+    if "tsum_serial" in per_bag and "loop_vg" in per_bag:
+        lines.append(
+            f"gradmap's own cost per element: tsum_serial - loop_vg = "
+            f"{per_bag['tsum_serial'] - per_bag['loop_vg']:+.0f} us"
+        )
+    if "raw" in per_bag and base_vg:
+        lines.append(
+            f"what threads allow here (raw threads, no gradmap): "
+            f"{base_vg / results['raw']['median_s']:.2f}x loop_vg"
         )
     return "\n".join(lines)
 
