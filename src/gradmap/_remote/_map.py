@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ from .._executors import RemoteExecutor, SerialExecutor
 from .._join import sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
+from .._request import MapRequest
 from .._torch._graph import buffers_kept, keep_graph
 from .._torch._graph import transforms_active as _transforms_active
 from .._torch._map import map_torch
@@ -305,37 +307,26 @@ class _Driver(JoinGraph):
         return totals
 
 
-def map_remote(
-    f: Any,
-    elements: list[tuple[Any, ...]],
-    executor: RemoteExecutor,
-    plan: ChunkPlan,
-    *,
-    remat: bool = False,
-    progress: Any = False,
-    api: str = "gradmap.tmap",
-) -> Any:
+def map_remote(request: MapRequest) -> Any:
     """``[f(*args) for args in elements]`` (``api="gradmap.tmap"``) or their sum
-    (``"gradmap.tsum"``) on an executor's worker processes, differentiable as the loop is.
-
-    Arguments:
-        f: the function (picklable with cloudpickle).
-        elements: the argument tuples, one per element (picklable).
-        executor: the executor (Ray's, or the local processes').
-        plan: the chunk plan for ``len(elements)``.
-        remat: keep no graph on the workers; recompute each chunk in the backward.
-        progress: ``tmap``'s ``progress`` argument.
-        api: which map this is.
+    (``"gradmap.tsum"``) on the worker processes of the request's executor (Ray's, or the local
+    processes'), differentiable as the loop is. ``f`` must pickle with cloudpickle and the
+    items must pickle; ``remat`` keeps no graph on the workers and recomputes each chunk in the
+    backward.
 
     Returns:
         The results, in element order; or their sum, for ``tsum``.
     """
+    f, elements, plan = request.f, request.elements, request.plan
+    executor, remat, api = request.executor, request.remat, request.api
+    assert isinstance(executor, RemoteExecutor)
     summed = api == "gradmap.tsum"
     if _transforms_active() or in_worker():
         # NOTE [torch.func and forward AD] in _torch/_map: the plain loop, in the caller's
         # process. A map inside f, on a worker: this process is one worker with its CPUs, so it
         # runs here.
-        results = map_torch(f, elements, SerialExecutor(), plan, remat=remat, progress=progress)
+        here = replace(request, executor=SerialExecutor(), api="gradmap.tmap", placement="auto")
+        results = map_torch(here)
         return sum_results(results) if summed else results
     transport: Transport = executor.transport(f, api, plan.n)  # type: ignore[assignment]
     graph = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -361,7 +352,7 @@ def map_remote(
             "executor='threads'",
         )
         raise
-    call = _Driver(f, transport, f_payload, spec, table, plan, executor, remat, progress)
+    call = _Driver(f, transport, f_payload, spec, table, plan, executor, remat, request.progress)
     try:
         per_chunk = call.forward(elements, "forward_sum" if summed and graph else "forward")
     except BaseException:
