@@ -272,9 +272,21 @@ class Host:
             leaves; the pids of the caller's tensors the chunk used; whether this actor has drawn
             the map's seed.
         """
+        return self._each_chunk(call_id, box, spec, chunks, self._forward)
+
+    def _each_chunk(
+        self,
+        call_id: str,
+        box: Any,
+        spec: CallSpec,
+        chunks: list[tuple[int, int, Items]],
+        run: Callable[[_CallState, int, int, Items], bytes],
+    ) -> list:
+        """``run(state, chunk, start, items)`` for each chunk of a call; the call's state is
+        forgotten afterwards if it keeps no chunk."""
         state = self._call(call_id, box, spec)
         try:
-            return [self._forward(state, k, start, items) for k, start, items in chunks]
+            return [run(state, k, start, items) for k, start, items in chunks]
         finally:
             self._drop_if_empty(call_id, state)
 
@@ -352,11 +364,7 @@ class Host:
             chunk of losses (its detached sum, and the gradients of that sum), or what
             ``forward`` returns for it.
         """
-        state = self._call(call_id, box, spec)
-        try:
-            return [self._forward_sum(state, k, start, items) for k, start, items in chunks]
-        finally:
-            self._drop_if_empty(call_id, state)
+        return self._each_chunk(call_id, box, spec, chunks, self._forward_sum)
 
     def _forward_sum(self, state: _CallState, k: int, start: int, items: Items) -> bytes:
         spec = state.spec
