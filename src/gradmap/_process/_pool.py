@@ -45,10 +45,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from .._errors import add_note
+from .._placement import learn_caller_seconds
 from .._remote._pickling import Payload
 from .._remote._schedule import Transport, WorkerLost
 from ._host import PAYLOADS_KEPT
-from ._local import LocalHost, learn
+from ._local import LocalHost
 from ._shared import FDS_PER_MESSAGE, Sharer
 
 __all__ = ["Pool", "ProcessTransport", "get_pool", "shutdown_pools"]
@@ -442,7 +443,7 @@ class ProcessTransport(Transport):
     def learn(self, f: Any, api: str, chunks: int, elements: int) -> None:
         if self._local is not None and self.timed_chunks:
             seconds = self.seconds / self.timed_chunks * chunks / max(1, elements)
-            learn(f, api, seconds)
+            learn_caller_seconds(f, api, seconds)
 
     def _wait_remote(self, handles: list[Any], timeout: float) -> list[Any]:
         handles = [h for h in handles if type(h) is not _LocalCall]
