@@ -69,13 +69,14 @@ class LocalHost(Host):
     """The host of the caller's own chunks (one per process)."""
 
     executor = "processes"
+    functions_kept = PAYLOADS_KEPT
 
     def __init__(self) -> None:
         super().__init__(1, process=False)
         self.lock = threading.RLock()
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
-        return self._kept_function(box.digest, lambda: box.payload, PAYLOADS_KEPT)
+        return self._kept_function(box.digest, lambda: box.payload)
 
     def loads_payload(self, payload: bytes, leaves: LeafTable) -> Any:
         with _fresh_classes():
