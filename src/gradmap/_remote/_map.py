@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -96,6 +96,17 @@ def _release(transport: Transport, call_id: str, held: dict[int, int] | None) ->
         transport.release(call_id, workers)
 
 
+@dataclass(eq=False)
+class _Chunk:
+    """What the driver keeps of one chunk of the map."""
+
+    items: bytes | KeptItems | None = None  # pickled once, when first sent (``pack_items``)
+    owner: int = -1  # the worker that ran its forward and keeps its graph (-1: none did)
+    diff: list[list[int]] = field(default_factory=list)  # per element: its join outputs' leaves
+    outputs: tuple[int, int] = (0, 0)  # its range among the join's outputs
+    early: list[tuple[int, Tensor]] | None = None  # a tsum chunk of losses: its sum's gradients
+
+
 class _Driver(JoinGraph):
     """The driver's state of one map: what the join's backward needs, and the release."""
 
@@ -124,14 +135,12 @@ class _Driver(JoinGraph):
         self.progress = progress
         self.box = transport.box(f_payload)
         self.elements: list[tuple[Any, ...]] = []
-        self.items: list[bytes | KeptItems | None] = [None] * plan.count
-        self.owners = [-1] * plan.count
-        self.diff: list[list[list[int]]] = [[] for _ in range(plan.count)]
-        self.bounds: list[tuple[int, int]] = []
+        self.chunks = [_Chunk() for _ in range(plan.count)]
         self.inputs: list[int] = []  # the pids of the join's inputs
         self.outputs: list[Tensor] = []  # the join outputs, until the join is applied
-        self.early: dict[int, list[tuple[int, Tensor]]] = {}  # tsum's chunks of losses
-        self.held: dict[int, int] = {}  # chunk -> the worker keeping its graph
+        # chunk -> the worker keeping its graph: the release's account, which the finalizer
+        # holds (it may not hold the driver)
+        self.held: dict[int, int] = {}
         self._finalizer = weakref.finalize(self, _release, transport, self.id, self.held)
         self._finalizer.atexit = False
 
@@ -181,7 +190,8 @@ class _Driver(JoinGraph):
         """Chunk ``k``'s items, pickled once (for the caller's own host too: ``f`` runs on
         copies of the items wherever its chunk runs), or as an earlier call pickled them (NOTE
         [items kept from call to call])."""
-        payload = self.items[k]
+        record = self.chunks[k]
+        payload = record.items
         if payload is None:
             start, stop = self.plan.bounds(k)
             chunk = self.elements[start:stop]
@@ -193,7 +203,7 @@ class _Driver(JoinGraph):
                     add_note(exc, _unpicklable(self.elements, start, stop, self.api))
                     raise
                 payload = items_cache.keep(found, pickled) or pickled
-            self.items[k] = payload
+            record.items = payload
         return payload
 
     def forward(self, elements: list[tuple[Any, ...]], method: str = "forward") -> list[Any]:
@@ -216,12 +226,12 @@ class _Driver(JoinGraph):
             if got[0] == "sum":
                 _, total, grads, chunk_drawn = got
                 per_chunk[k] = (None, total)
-                self.early[k] = grads
+                self.chunks[k].early = grads
                 used.update(pid for pid, _ in grads)
             else:
                 trees, diff, pids, chunk_drawn = got
                 per_chunk[k] = (trees, diff)
-                self.owners[k] = a
+                self.chunks[k].owner = a
                 if self.spec.graph and not self.remat:  # the worker keeps the chunk
                     self.held[k] = a
                 used.update(pids)
@@ -247,8 +257,9 @@ class _Driver(JoinGraph):
         payloads: dict[int, list[Any]] = {}
         per_chunk: dict[int, list[tuple[int, Tensor]]] = {}
         jobs = []
-        for k, (lo, hi) in enumerate(self.bounds):
-            early = self.early.get(k)
+        for k, record in enumerate(self.chunks):
+            lo, hi = record.outputs
+            early = record.early
             if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
                 c = cotangents[lo]
                 if c is not None:
@@ -257,7 +268,7 @@ class _Driver(JoinGraph):
                     per_chunk[k] = early if one else [(pid, g * c) for pid, g in early]
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
-                jobs.append(Job(k, None if self.remat else self.owners[k], recompute=self.remat))
+                jobs.append(Job(k, None if self.remat else record.owner, recompute=self.remat))
         bar = open_progress(self.progress, "backward", plan.n, self.api)
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
@@ -266,7 +277,7 @@ class _Driver(JoinGraph):
                     (
                         plan.bounds(k)[0],
                         self.pack_items(k),
-                        self.diff[k],
+                        self.chunks[k].diff,
                         self.cotangents_for(payloads[k], a),
                     )
                     for k in (j.chunk for j in jobs)
@@ -376,14 +387,14 @@ def map_remote(request: MapRequest) -> Any:
             placed.append(([diff], None, [0]))
             sizes.append(1)
         else:
-            call.diff[k] = diff
+            call.chunks[k].diff = diff
             for tree, positions in zip(trees, diff):
                 leaves, spec_ = flatten(tree)
                 for pos in positions:
                     call.outputs.append(leaves[pos])
                 placed.append((leaves, spec_, positions))
             sizes.append(len(trees))
-        call.bounds.append((lo, len(call.outputs)))
+        call.chunks[k].outputs = (lo, len(call.outputs))
     inputs = [call.table.tensors[pid] for pid in call.inputs]
     if not (call.outputs and inputs):
         # Nothing to differentiate through: the results stand as they came.
@@ -394,7 +405,7 @@ def map_remote(request: MapRequest) -> Any:
         joined = JoinNode.apply(call, *inputs)
         call.outputs = []  # the join's outputs are the results' now (no cycle through the join)
         results = fill_leaves(placed, joined)
-        if not any(call.owners[k] >= 0 for k in range(plan.count)) and not remat:
+        if not any(c.owner >= 0 for c in call.chunks) and not remat:
             call.release()  # nothing is kept on the workers (tsum's chunks of losses)
     return sum_results(results, sizes) if summed else results
 
