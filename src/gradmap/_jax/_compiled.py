@@ -1,5 +1,7 @@
 """Compiled programs for elements: a forward, pullbacks, and the steps of a sum.
 
+Why this file exists: measured (NOTE [one jitted call, one compiled pullback]): 2 ms -> 0.13 ms.
+
 NOTE [one jitted call, one compiled pullback]:
     Evaluating an element's jaxpr under ``jax.vjp`` in a worker costs Python per operation --
     about 2 ms per element for a call of a jitted MLP on a bag (jax 0.10.2, 2 cores), most of it
@@ -33,7 +35,9 @@ NOTE [a sum's element is one compiled step]:
     ``value_and_grad`` calls a user writes, without the eager additions between them). The
     backward pass only adds the chunks' gradients in chunk order and scales them by the
     cotangent (exact when it is one, as under ``jax.grad``). Results that are not one real 0-d
-    array per element take a forward step (totals only) and the pullback above.
+    array per element take a forward step (totals only) and the pullback above. Measured
+    (``gradmap bench --jax``, ragged bags, N=256, 2 cores, jax 0.10.2): ``tsum`` about 1.05x the
+    loop of per-bag jitted ``value_and_grad`` calls, ``tmap`` and a sum 0.60x.
 
 NOTE [a loss keeps its gradient]:
     ``tmap``'s elements have cotangents of their own, unknown until the backward pass; but an

@@ -1,5 +1,7 @@
 """``tsum`` under reverse mode: each element one compiled step, the chunks' gradients summed.
 
+Why this file exists: measured (NOTE [a sum's element is one compiled step]): 0.60x -> 1.05x.
+
 NOTE [the sum's join]:
     ``tsum`` runs as ``tmap`` does (NOTE [the join node] in ``_rule``) with one difference: its
     elements' cotangents are known up to a factor before the backward pass starts (NOTE [a sum's
