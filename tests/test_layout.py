@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("executors", ("gradmap._executors",)),
-    ("engine", ("gradmap._engine",)),
+    ("engine", ("gradmap._engine", "gradmap._request")),
     ("rules", ("gradmap._torch", "gradmap._jax")),
     ("remote rule", ("gradmap._remote",)),
     ("transports", ("gradmap._process", "gradmap._ray")),

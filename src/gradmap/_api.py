@@ -6,14 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._executors import Executor, RemoteExecutor, SerialExecutor
+from ._executors import Executor, SerialExecutor
 from ._items import zip_items
 from ._plan import check_chunksize, plan_chunks
+from ._request import MapRequest
 from ._resolve import EXECUTORS, resolve_executor
 from ._torch._map import map_torch
 from ._torch._sum import sum_torch
 
 __all__ = ["tmap", "tsum", "zip_items"]
+
+TMAP = "gradmap.tmap"
+TSUM = "gradmap.tsum"
 
 
 def tmap(
@@ -86,20 +90,10 @@ def tmap(
         >>> w.grad
         tensor(6.)
     """
-    call = _Prepared(f, iterables, executor, workers, chunksize, strict, "gradmap.tmap")
+    call = _prepare(f, iterables, executor, workers, chunksize, strict, remat, progress, TMAP)
     if not call.elements:
         return []
-    if not call.executor.shares_memory:  # chunks in other processes: Ray, worker processes
-        return call.remote(remat, progress)  # type: ignore[no-any-return]
-    return map_torch(
-        f,
-        call.elements,
-        call.executor,
-        call.plan,
-        remat=remat,
-        progress=progress,
-        placement=call.placement,
-    )
+    return _run(call, map_torch)  # type: ignore[no-any-return]
 
 
 def tsum(
@@ -143,63 +137,46 @@ def tsum(
         >>> w.grad
         tensor(6.)
     """
-    call = _Prepared(f, iterables, executor, workers, chunksize, strict, "gradmap.tsum")
+    call = _prepare(f, iterables, executor, workers, chunksize, strict, remat, progress, TSUM)
     if not call.elements:
         raise ValueError(
             "gradmap.tsum: there are no elements to sum, and the sum of nothing has no shape; "
             "check the iterables (or use sum(gradmap.tmap(...), start) with a start value)"
         )
-    if not call.executor.shares_memory:  # chunks in other processes: Ray, worker processes
-        return call.remote(remat, progress)
-    return sum_torch(
-        f,
-        call.elements,
-        call.executor,
-        call.plan,
-        remat=remat,
-        progress=progress,
-        placement=call.placement,
-    )
+    return _run(call, sum_torch)
 
 
-class _Prepared:
+def _prepare(
+    f: Any,
+    iterables: tuple[Iterable[Any], ...],
+    executor: Any,
+    workers: int | None,
+    chunksize: int | None,
+    strict: bool,
+    remat: bool,
+    progress: Any,
+    api: str,
+) -> MapRequest:
     """What ``tmap`` and ``tsum`` check and prepare alike: ``f``, the executor, the chunk size
     (before any item is read), the elements, the plan and the forward's placement."""
+    if not callable(f):
+        raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
+    resolved = resolve_executor(executor, workers, EXECUTORS, api)
+    if chunksize is not None:
+        check_chunksize(chunksize, api)
+    elements = zip_items(iterables, strict, api=api)
+    plan = plan_chunks(len(elements), chunksize, api)
+    placement = _placement(executor, workers, resolved)
+    return MapRequest(f, elements, resolved, plan, api, remat, progress, placement)
 
-    def __init__(
-        self,
-        f: Any,
-        iterables: tuple[Iterable[Any], ...],
-        executor: Any,
-        workers: int | None,
-        chunksize: int | None,
-        strict: bool,
-        api: str,
-    ) -> None:
-        if not callable(f):
-            raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
-        self.f = f
-        self.api = api
-        self.executor = resolve_executor(executor, workers, EXECUTORS, api)
-        if chunksize is not None:
-            check_chunksize(chunksize, api)
-        self.elements = zip_items(iterables, strict, api=api)
-        self.plan = plan_chunks(len(self.elements), chunksize, api)
-        self.placement = _placement(executor, workers, self.executor)
 
-    def remote(self, remat: bool, progress: Any) -> Any:
-        from ._remote._map import map_remote  # lazy: cloudpickle, and the workers' transport
+def _run(call: MapRequest, on_threads: Callable[[MapRequest], Any]) -> Any:
+    """The call on threads (the executor shares the caller's memory), or in other processes."""
+    if call.executor.shares_memory:
+        return on_threads(call)
+    from ._remote._map import map_remote  # lazy: cloudpickle, and the workers' transport
 
-        assert isinstance(self.executor, RemoteExecutor)
-        return map_remote(
-            self.f,
-            self.elements,
-            self.executor,
-            self.plan,
-            remat=remat,
-            progress=progress,
-            api=self.api,
-        )
+    return map_remote(call)  # chunks in other processes: Ray, worker processes
 
 
 def _placement(executor: object, workers: int | None, resolved: Executor) -> str:

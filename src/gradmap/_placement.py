@@ -1,4 +1,5 @@
-"""Forward placement: run a map's forward in one thread or on the pool, by measurement.
+"""Forward placement: run a map's forward in one thread or on the pool, by measurement. The
+same table keeps the caller's own measurement with worker processes (``caller_seconds``).
 
 NOTE [forward placement]:
     On CPython with the GIL, a forward made of many small torch ops is held by Python dispatch:
@@ -47,13 +48,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Placement", "key_of", "placement_for"]
+__all__ = ["Placement", "caller_seconds", "key_of", "learn_caller_seconds", "placement_for"]
 
 FASTER = 0.9
 REMEASURE = 50
 CHANGED = 2.0
 
 _lock = threading.Lock()
+#: What was measured of the maps of each ``f``, by ``(key_of(f), kind)``: the forward's placement
+#: on threads (``placement_for``), and the caller's forward seconds per element when it runs
+#: chunks beside worker processes (``caller_seconds``).
 _history: dict[Any, _History] = {}
 _MAX_HISTORY = 1024
 
@@ -76,10 +80,11 @@ def key_of(f: Any) -> Any:
 
 
 class _History:
-    __slots__ = ("calls", "many", "one", "random")
+    __slots__ = ("caller", "calls", "many", "one", "random")
     # calls: maps of this f so far (set back to 1 when its elements changed: measure afresh)
 
     def __init__(self) -> None:
+        self.caller: float | None = None  # latest seconds per element in the caller, processes
         self.calls = 0
         self.one: float | None = None  # best seconds per element in one thread
         self.many: float | None = None  # latest seconds per element on the pool
@@ -151,13 +156,8 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
     without, ``remat``): each has a history of its own."""
     if forced_one:
         return Placement(False, None, False)
-    key = (key_of(f), kind)
     with _lock:
-        history = _history.get(key)
-        if history is None:
-            if len(_history) >= _MAX_HISTORY:
-                _history.clear()
-            history = _history[key] = _History()
+        history = _history_of(f, kind)
         history.calls += 1
         calls = history.calls
     if history.random:
@@ -173,3 +173,28 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
             history.one = None  # measured afresh
         return Placement(False, history, True)
     return Placement(bool(history.parallel), history, False, watch=True)
+
+
+def caller_seconds(f: Any, api: str) -> float | None:
+    """The caller's forward seconds per element in the latest map of ``f`` (``api``) on worker
+    processes that it helped (NOTE [the caller works too] in ``_process/_local``), if any."""
+    with _lock:
+        history = _history.get((key_of(f), ("caller", api)))
+        return None if history is None else history.caller
+
+
+def learn_caller_seconds(f: Any, api: str, seconds_per_element: float) -> None:
+    """Record a map's measured forward seconds per element in the caller."""
+    with _lock:
+        _history_of(f, ("caller", api)).caller = seconds_per_element
+
+
+def _history_of(f: Any, kind: Any) -> _History:
+    """The history of ``f``'s maps of ``kind``, made if new (under ``_lock``)."""
+    key = (key_of(f), kind)
+    history = _history.get(key)
+    if history is None:
+        if len(_history) >= _MAX_HISTORY:
+            _history.clear()
+        history = _history[key] = _History()
+    return history

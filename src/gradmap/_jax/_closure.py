@@ -1,5 +1,7 @@
 """What ``f`` closes over: the key its traces are reused under, and the arrays it reaches.
 
+Why this file exists: measured (NOTE [reusing traces across calls]): 250 us a shape, per call.
+
 NOTE [reusing traces across calls]:
     Under differentiation each element is traced (NOTE [hoisting the tracers an element uses]
     in ``_element``), about 250 us of Python per distinct shape. A map in a training step is

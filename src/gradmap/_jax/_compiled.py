@@ -1,5 +1,7 @@
 """Compiled programs for elements: a forward, pullbacks, and the steps of a sum.
 
+Why this file exists: measured (NOTE [one jitted call, one compiled pullback]): 2 ms -> 0.13 ms.
+
 NOTE [one jitted call, one compiled pullback]:
     Evaluating an element's jaxpr under ``jax.vjp`` in a worker costs Python per operation --
     about 2 ms per element for a call of a jitted MLP on a bag (jax 0.10.2, 2 cores), most of it
@@ -33,7 +35,9 @@ NOTE [a sum's element is one compiled step]:
     ``value_and_grad`` calls a user writes, without the eager additions between them). The
     backward pass only adds the chunks' gradients in chunk order and scales them by the
     cotangent (exact when it is one, as under ``jax.grad``). Results that are not one real 0-d
-    array per element take a forward step (totals only) and the pullback above.
+    array per element take a forward step (totals only) and the pullback above. Measured
+    (``gradmap bench --jax``, ragged bags, N=256, 2 cores, jax 0.10.2): ``tsum`` about 1.05x the
+    loop of per-bag jitted ``value_and_grad`` calls, ``tmap`` and a sum 0.60x.
 
 NOTE [a loss keeps its gradient]:
     ``tmap``'s elements have cotangents of their own, unknown until the backward pass; but an
@@ -160,12 +164,7 @@ class Programs:
         of ``args[positions]`` (``positions[i]`` adding to ``totals[slots[i]]``), for cotangents
         of the floating outputs (in order); it recomputes the forward. One ``jax.jit``, cached.
         """
-        key = (positions, slots)
-        program = self._pullbacks.get(key)
-        if program is None:
-            with self._lock:
-                program = self._pullbacks.setdefault(key, self._build_pullback(positions, slots))
-        return program
+        return self._cached(self._pullbacks, (positions, slots), self._build_pullback)
 
     def step(
         self,
@@ -179,14 +178,7 @@ class Programs:
         that output with respect to ``args[positions]`` (``positions[i]`` adding to
         ``grads[slots[i]]``). See NOTE [a sum's element is one compiled step]. One ``jax.jit``,
         cached."""
-        key = (positions, slots, out_index, loss)
-        program = self._steps.get(key)
-        if program is None:
-            with self._lock:
-                program = self._steps.setdefault(
-                    key, self._build_step(positions, slots, out_index, loss)
-                )
-        return program
+        return self._cached(self._steps, (positions, slots, out_index, loss), self._build_step)
 
     def value_and_grad(
         self, positions: tuple[int, ...], slots: tuple[int, ...], loss: int
@@ -194,34 +186,26 @@ class Programs:
         """``value_and_grad(args)``: the outputs, and the gradient of output ``loss`` (a real
         0-d one) with respect to ``args[positions]``, added up per slot (``positions[i]`` to
         slot ``slots[i]``). See NOTE [a loss keeps its gradient]. One ``jax.jit``, cached."""
-        key = (positions, slots, loss)
-        program = self._gradients.get(key)
+        return self._cached(self._gradients, (positions, slots, loss), self._build_value_and_grad)
+
+    def _cached(
+        self, table: dict[Any, Callable[..., Any]], key: Any, build: Callable[[Any], Any]
+    ) -> Any:
+        """``table[key]``, ``build(key)`` (under the lock, once) on first use."""
+        program = table.get(key)
         if program is None:
             with self._lock:
-                program = self._gradients.setdefault(
-                    key, self._build_value_and_grad(positions, slots, loss)
-                )
+                program = table.setdefault(key, build(key))
         return program
 
-    def _build_value_and_grad(
-        self, positions: tuple[int, ...], slots: tuple[int, ...], loss: int
-    ) -> Callable[..., Any]:
+    def _build_value_and_grad(self, key: tuple[tuple[int, ...], tuple[int, ...], int]) -> Any:
+        positions, slots, loss = key
         body = self._body
         count = max(slots) + 1
 
         @self._jit
         def value_and_grad(args: list[Any]) -> tuple[list[Any], list[Any]]:
-            def value(*primals: Any) -> tuple[Any, list[Any]]:
-                full = list(args)
-                for k, p in zip(positions, primals):
-                    full[k] = p
-                outs = body(*full)
-                return outs[loss], outs
-
-            argnums = tuple(range(len(positions)))
-            (_, outs), gs = jax.value_and_grad(value, argnums=argnums, has_aux=True)(
-                *(args[k] for k in positions)
-            )
+            outs, gs = _outputs_and_grads(body, args, positions, loss)
             grads: list[Any] = [None] * count
             for s, g in zip(slots, gs):
                 grads[s] = g if grads[s] is None else grads[s] + g
@@ -229,18 +213,14 @@ class Programs:
 
         return value_and_grad
 
-    def _build_pullback(
-        self, positions: tuple[int, ...], slots: tuple[int, ...]
-    ) -> Callable[..., Any]:
+    def _build_pullback(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+        positions, slots = key
         body, floats = self._body, self._float
 
         @self._jit
         def pullback(args: list[Any], cotangents: list[Any], totals: list[Any]) -> list[Any]:
             def float_outputs(*primals: Any) -> list[Any]:
-                full = list(args)
-                for k, p in zip(positions, primals):
-                    full[k] = p
-                outs = body(*full)
+                outs = body(*_with_primals(args, positions, primals))
                 return [outs[k] for k in floats]
 
             _, vjp = jax.vjp(float_outputs, *(args[k] for k in positions))
@@ -252,12 +232,9 @@ class Programs:
         return pullback
 
     def _build_step(
-        self,
-        positions: tuple[int, ...],
-        slots: tuple[int, ...],
-        out_index: tuple[int, ...],
-        loss: int | None,
-    ) -> Callable[..., Any]:
+        self, key: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int | None]
+    ) -> Any:
+        positions, slots, out_index, loss = key
         body = self._body
 
         @self._jit
@@ -266,24 +243,38 @@ class Programs:
                 outs = body(*args)
                 new_grads = list(grads)
             else:
-
-                def value(*primals: Any) -> tuple[Any, list[Any]]:
-                    full = list(args)
-                    for k, p in zip(positions, primals):
-                        full[k] = p
-                    outs = body(*full)
-                    return outs[loss], outs
-
-                argnums = tuple(range(len(positions)))
-                (_, outs), gs = jax.value_and_grad(value, argnums=argnums, has_aux=True)(
-                    *(args[k] for k in positions)
-                )
+                outs, gs = _outputs_and_grads(body, args, positions, loss)
                 new_grads = list(grads)
                 for s, g in zip(slots, gs):
                     new_grads[s] = new_grads[s] + g
             return [t + outs[k] for t, k in zip(totals, out_index)], new_grads
 
         return step
+
+
+def _with_primals(args: list[Any], positions: Sequence[int], primals: Sequence[Any]) -> list[Any]:
+    """``args`` with ``primals`` at ``positions``: the arguments a program differentiates at."""
+    full = list(args)
+    for k, p in zip(positions, primals):
+        full[k] = p
+    return full
+
+
+def _outputs_and_grads(
+    body: Callable[..., Any], args: list[Any], positions: Sequence[int], loss: int
+) -> tuple[list[Any], tuple[Any, ...]]:
+    """Inside a program being traced: ``body(*args)``'s outputs, and the gradient of output
+    ``loss`` with respect to each of ``args[positions]``."""
+
+    def value(*primals: Any) -> tuple[Any, list[Any]]:
+        outs = body(*_with_primals(args, positions, primals))
+        return outs[loss], outs
+
+    argnums = tuple(range(len(positions)))
+    (_, outs), gs = jax.value_and_grad(value, argnums=argnums, has_aux=True)(
+        *(args[k] for k in positions)
+    )
+    return outs, gs
 
 
 def _inexact(aval: Any) -> bool:

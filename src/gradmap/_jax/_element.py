@@ -53,7 +53,15 @@ from ._closure import Closure, closure_of, weak_holders
 from ._compiled import CompiledCall, Programs, inner_programs, programs, single_call
 from ._mode import VjpTrace
 
-__all__ = ["UNTRACEABLE", "Element", "ElementRunner", "Prepared", "Steps", "steps_of"]
+__all__ = [
+    "UNTRACEABLE",
+    "Element",
+    "ElementRunner",
+    "Prepared",
+    "Steps",
+    "compiled_pullback",
+    "steps_of",
+]
 
 #: What tracing raises where ``f`` needs a concrete value (a branch, ``int(x)``, ``np.asarray``).
 UNTRACEABLE = (
@@ -734,14 +742,25 @@ def _run_call(element: Prepared, leaves: list[Any], diff: list[int]) -> Element:
     number = {i: t for t, i in enumerate(traced.traced)}  # leaf position -> jaxpr output
     targets = [slot[call.out_index[number[i]]] for i in diff]
     compiled = programs.pullback(tuple(positions), tuple(slots))
+    pullback = compiled_pullback(compiled, args, targets, [out_avals[k] for k in call_diff])
+    return Element(leaves, traced.tree, diff, tracers, pullback)
+
+
+def compiled_pullback(
+    compiled: Callable[..., Any], args: list[Any], targets: list[int], avals: list[Any]
+) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """``pullback(cotangents, totals)`` of an element whose differentiable outputs are outputs
+    of a compiled program: the element's cotangents added per program output (``targets[i]``
+    for its i-th), zeros of that output's type (``avals``) where none came, then
+    ``compiled(args, cotangents, totals)`` (``Programs.pullback``)."""
 
     def pullback(cotangents: list[Any], totals: list[Any]) -> list[Any]:
-        cts: list[Any] = [None] * len(call_diff)
+        cts: list[Any] = [None] * len(avals)
         for s, ct in zip(targets, cotangents):
             cts[s] = ct if cts[s] is None else cts[s] + ct
-        for s, k in enumerate(call_diff):
+        for s, aval in enumerate(avals):
             if cts[s] is None:
-                cts[s] = jnp.zeros(out_avals[k].shape, out_avals[k].dtype)
-        return compiled(args, cts, totals)
+                cts[s] = jnp.zeros(aval.shape, aval.dtype)
+        return compiled(args, cts, totals)  # type: ignore[no-any-return]
 
-    return Element(leaves, traced.tree, diff, tracers, pullback)
+    return pullback

@@ -40,21 +40,22 @@ NOTE [under jit, the traced loop]:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
-from .._engine import ChunkRun, run_chunks
 from .._errors import add_note, element_note
 from .._executors import Executor, SerialExecutor, ThreadExecutor
-from .._plan import ChunkPlan, plan_chunks
+from .._plan import plan_chunks
+from .._request import MapRequest
 from .._resolve import Names, resolve_executor
-from ._chunks import TMAP, TSUM, Pending, chunk_elements
-from ._config import JaxConfig
+from ._chunks import TMAP, TSUM
 from ._items import zip_jax_items
-from ._mode import Mode, current_mode
-from ._rule import map_vjp
+from ._mode import Mode, VjpTrace, current_mode
+from ._rule import forward_chunks, map_vjp
 from ._sum import Totals, check_structures, structure_error, sum_vjp
 
 __all__ = ["tmap", "tsum"]
+
+T = TypeVar("T")
 
 
 def tmap(
@@ -133,16 +134,10 @@ def tmap(
         >>> float(jax.grad(total)(w))
         6.0
     """
-    resolved, elements, plan = _start(f, iterables, executor, workers, chunksize, strict, TMAP)
-    if not elements:
+    call = _start(f, iterables, executor, workers, chunksize, strict, TMAP)
+    if not call.elements:
         return []
-    mode, trace = current_mode()
-    if mode is Mode.EAGER:
-        return _map_eager(f, elements, resolved, plan)
-    if mode is Mode.VJP:
-        assert trace is not None
-        return map_vjp(f, elements, resolved, plan, trace, lambda: _loop(f, elements))
-    return _loop(f, elements)
+    return _run(call, _map_eager, map_vjp, _loop)  # type: ignore[no-any-return]
 
 
 def tsum(
@@ -203,21 +198,32 @@ def tsum(
         >>> float(jax.grad(lambda w: gmj.tsum(lambda bag: (w * bag).sum(), bags))(w))
         6.0
     """
-    resolved, elements, plan = _start(f, iterables, executor, workers, chunksize, strict, TSUM)
-    if not elements:
+    call = _start(f, iterables, executor, workers, chunksize, strict, TSUM)
+    if not call.elements:
         # as gradmap.tsum: the builtin sum's 0 would fail later, in jax.grad or in the user's
         # code, with nothing naming this call
         raise ValueError(
             f"{TSUM}: there are no elements to sum; the sum of nothing has no shape. Check "
             "the iterables, or handle an empty batch before the call"
         )
+    return _run(call, _sum_eager, sum_vjp, _sum_loop)
+
+
+def _run(
+    call: MapRequest,
+    eager: Callable[[MapRequest], Any],
+    vjp: Callable[[MapRequest, VjpTrace, Callable[[], Any]], Any],
+    loop: Callable[[Callable[..., Any], list[tuple[Any, ...]]], Any],
+) -> Any:
+    """The map or sum as the caller's mode asks (NOTE [three ways to run the map]): ``f`` itself
+    on the workers, the rule under reverse mode (falling back to the loop), or the plain loop."""
     mode, trace = current_mode()
     if mode is Mode.EAGER:
-        return _sum_eager(f, elements, resolved, plan)
+        return eager(call)
     if mode is Mode.VJP:
         assert trace is not None
-        return sum_vjp(f, elements, resolved, plan, trace, lambda: _sum_loop(f, elements))
-    return _sum_loop(f, elements)
+        return vjp(call, trace, lambda: loop(call.f, call.elements))
+    return loop(call.f, call.elements)
 
 
 def _start(
@@ -228,14 +234,14 @@ def _start(
     chunksize: int | None,
     strict: bool,
     api: str,
-) -> tuple[Executor, list[tuple[Any, ...]], ChunkPlan]:
+) -> MapRequest:
     """Check the arguments (before any item is read), zip the iterables, plan the chunks."""
     if not callable(f):
         raise TypeError(f"{api}: f must be callable, got {type(f).__name__}")
     resolved = _resolve(executor, workers, api)
     plan_chunks(0, chunksize, api)  # checks chunksize before any item is read
     elements = zip_jax_items(iterables, strict, api)
-    return resolved, elements, plan_chunks(len(elements), chunksize, api)
+    return MapRequest(f, elements, resolved, plan_chunks(len(elements), chunksize, api), api)
 
 
 def _resolve(executor: Any, workers: int | None, api: str) -> Executor:
@@ -305,58 +311,49 @@ def _sum_loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> Any:
     )
 
 
-def _map_eager(
-    f: Callable[..., Any], elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan
-) -> list[Any]:
+def _map_eager(call: MapRequest) -> list[Any]:
     """No transformation: ``f`` itself runs on the workers, chunk by chunk."""
-    n = len(elements)
 
-    def chunk_results(k: int, run: ChunkRun[list[Any]]) -> list[Any]:
-        out: list[Any] = []
-        pending = Pending(n, "forward", TMAP)
-        for i in chunk_elements(run, k, plan):
-            try:
-                out.append(f(*elements[i]))
-            except BaseException as exc:
-                add_note(exc, element_note(i, n, "forward", TMAP))
-                raise
-            pending.push(i, out[-1])
-        pending.wait()
-        return out
+    def add(out: list[Any], i: int, result: Any) -> Any:
+        out.append(result)
+        return result
 
-    chunks = run_chunks(executor, plan.count, chunk_results, context=JaxConfig().enter)
+    chunks = _eager_chunks(call, list, add)
     return [y for chunk in chunks for y in chunk]
 
 
-def _sum_eager(
-    f: Callable[..., Any], elements: list[tuple[Any, ...]], executor: Executor, plan: ChunkPlan
-) -> Any:
+def _sum_eager(call: MapRequest) -> Any:
     """No transformation: ``f`` itself runs on the workers, each chunk summing its results;
     the chunks' sums are added in chunk order."""
     import jax
 
-    n = len(elements)
+    def add(totals: Totals, i: int, result: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(result)
+        if totals.check(i, tree):
+            totals.add_leaves(leaves)
+        return list(totals.arrays)
 
-    def chunk_sum(k: int, run: ChunkRun[Totals]) -> Totals:
-        totals = Totals(TSUM)
-        pending = Pending(n, "forward", TSUM)
-        for i in chunk_elements(run, k, plan):
-            try:
-                leaves, tree = jax.tree_util.tree_flatten(f(*elements[i]))
-                if totals.check(i, tree):
-                    totals.add_leaves(leaves)
-            except BaseException as exc:
-                add_note(exc, element_note(i, n, "forward", TSUM))
-                raise
-            pending.push(i, list(totals.arrays))
-        pending.wait()
-        return totals
-
-    chunks = run_chunks(executor, plan.count, chunk_sum, context=JaxConfig().enter)
-    check_structures(chunks, n)
+    chunks = _eager_chunks(call, lambda: Totals(TSUM), add)
+    check_structures(chunks, call.plan.n)
     total = chunks[0]
     for chunk in chunks[1:]:
         total.merge(chunk)
     return jax.tree_util.tree_unflatten(
         total.tree, [total.leaf(t) for t in range(len(total.arrays))]
+    )
+
+
+def _eager_chunks(
+    call: MapRequest, new_chunk: Callable[[], T], add: Callable[[T, int, Any], Any]
+) -> list[T]:
+    """Every chunk on the workers: ``new_chunk()``, then ``add(chunk, i, f(*items))`` for each
+    element in order, returning the arrays to wait for."""
+    f, elements = call.f, call.elements
+    return forward_chunks(
+        call.executor,
+        call.plan,
+        call.api,
+        new_chunk,
+        lambda i, chunk: add(chunk, i, f(*elements[i])),
+        traced=False,
     )

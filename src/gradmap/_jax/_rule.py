@@ -29,8 +29,9 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ from .._errors import add_note, element_note
 from .._executors import Executor
 from .._join import JoinLayout, sum_in_chunk_order
 from .._plan import ChunkPlan
+from .._request import MapRequest
 from ._chunks import TMAP, Pending, chunk_elements
 from ._config import JaxConfig
 from ._element import UNTRACEABLE, Element, ElementRunner
@@ -50,6 +52,8 @@ __all__ = [
     "Boundary",
     "NeedsLoop",
     "Zeros",
+    "backward_chunks",
+    "forward_chunks",
     "has_tracers",
     "layout_of",
     "make_join",
@@ -68,6 +72,67 @@ class NeedsLoop(Exception):
         self.error = error
 
 
+C = TypeVar("C")
+
+
+def forward_chunks(
+    executor: Executor,
+    plan: ChunkPlan,
+    api: str,
+    new_chunk: Callable[[], C],
+    step: Callable[[int, C], Any],
+    *,
+    lag: int | None = None,
+    traced: bool = True,
+) -> list[C]:
+    """Every chunk's forward on ``executor``, under JAX's settings: ``new_chunk()``, then
+    ``step(i, chunk)`` for each of its elements in order, the arrays it returns waited for
+    (``Pending``, with ``lag``); an element's error gets its note. ``traced`` (the rule): the
+    steps run at the top level (the caller's thread too, when it helps), and an element that
+    cannot be traced raises ``NeedsLoop``; else (eager) ``f`` runs as it is."""
+    n = plan.n
+
+    def forward_chunk(k: int, run: ChunkRun[C]) -> C:
+        chunk = new_chunk()
+        pending = Pending(n, "forward", api, lag=lag)
+        with top_level() if traced else nullcontext():
+            for i in chunk_elements(run, k, plan):
+                try:
+                    made = step(i, chunk)
+                except BaseException as exc:
+                    if traced and isinstance(exc, UNTRACEABLE):
+                        raise NeedsLoop(i, exc) from None
+                    add_note(exc, element_note(i, n, "forward", api))
+                    raise
+                pending.push(i, made)
+            pending.wait()
+        return chunk
+
+    return run_chunks(executor, plan.count, forward_chunk, context=JaxConfig().enter)
+
+
+def backward_chunks(
+    executor: Executor, chunks: Sequence[C], backward_chunk: Callable[[C], Any], on_workers: bool
+) -> list[Any]:
+    """``backward_chunk(chunk)`` for every chunk: on ``executor``, at the top level, under the
+    backward pass's own settings; or, with ``on_workers`` false (cotangents that are tracers:
+    ``vmap`` or ``jit`` of the vjp function), in the caller's thread, under its trace."""
+    if not on_workers:
+        return [backward_chunk(chunk) for chunk in chunks]
+
+    def run_one(k: int, run: ChunkRun[Any]) -> Any:
+        with top_level():
+            return backward_chunk(chunks[k])
+
+    return run_chunks(
+        executor,
+        len(chunks),
+        run_one,
+        reverse=executor.reverse_backward,
+        context=JaxConfig().enter,  # the backward pass's own settings
+    )
+
+
 def warn_loop(need: NeedsLoop, n: int, api: str) -> None:
     warnings.warn(
         f"{api}: element {need.index} of {n} could not be traced "
@@ -76,7 +141,7 @@ def warn_loop(need: NeedsLoop, n: int, api: str) -> None:
         "differentiation, make f traceable (jnp.where, lax.cond) or pass such values as "
         "Python scalars.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,  # warn_loop, map_vjp or sum_vjp, _map._run, tmap or tsum, the caller
     )
 
 
@@ -209,52 +274,23 @@ class _Chunk:
     outputs: tuple[int, int] = (0, 0)  # its range among the join's outputs
 
 
-def map_vjp(
-    f: Callable[..., Any],
-    elements: list[tuple[Any, ...]],
-    executor: Executor,
-    plan: ChunkPlan,
-    trace: VjpTrace,
-    loop: Callable[[], list[Any]],
-) -> list[Any]:
-    """``[f(*args) for args in elements]`` under the caller's reverse-mode trace, with the forward
-    and each chunk's pullback on ``executor``.
-
-    Arguments:
-        f: the function.
-        elements: the argument tuples, one per element.
-        executor: where chunks run.
-        plan: the chunk plan for ``len(elements)``.
-        trace: the caller's reverse-mode trace.
-        loop: the plain loop, run instead when an element cannot be traced.
-
-    Returns:
-        The results, in element order.
-    """
+def map_vjp(request: MapRequest, trace: VjpTrace, loop: Callable[[], list[Any]]) -> list[Any]:
+    """``[f(*args) for args in elements]`` under the caller's reverse-mode trace (``trace``),
+    with the forward and each chunk's pullback on the request's executor; ``loop()``, the plain
+    loop, instead when an element cannot be traced. Returns the results, in element order."""
+    f, elements, executor, plan = request.f, request.elements, request.executor, request.plan
     n = len(elements)
     runner = ElementRunner(f, trace, TMAP)
 
-    def forward_chunk(k: int, run: ChunkRun[_Chunk]) -> _Chunk:
-        chunk = _Chunk()
-        pending = Pending(n, "forward", TMAP)
-        with top_level():  # the caller's thread too, when it helps
-            for i in chunk_elements(run, k, plan):
-                try:
-                    el = runner.run(elements[i], n)
-                except UNTRACEABLE as exc:
-                    raise NeedsLoop(i, exc) from None
-                except BaseException as exc:
-                    add_note(exc, element_note(i, n, "forward", TMAP))
-                    raise
-                chunk.indices.append(i)
-                chunk.elements.append(el)
-                chunk.positions.append(chunk.boundary.place(el.tracers))
-                pending.push(i, el.leaves)
-            pending.wait()
-        return chunk
+    def step(i: int, chunk: _Chunk) -> Any:
+        el = runner.run(elements[i], n)
+        chunk.indices.append(i)
+        chunk.elements.append(el)
+        chunk.positions.append(chunk.boundary.place(el.tracers))
+        return el.leaves
 
     try:
-        chunks = run_chunks(executor, plan.count, forward_chunk, context=JaxConfig().enter)
+        chunks = forward_chunks(executor, plan, TMAP, _Chunk, step)
     except NeedsLoop as need:
         warn_loop(need, n, TMAP)
         return loop()
@@ -275,24 +311,11 @@ def map_vjp(
         live = [c for c in cotangents if not isinstance(c, SymbolicZero)]
         on_workers = not has_tracers(live)
         zeros = Zeros()
-        if on_workers:
-
-            def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
-                with top_level():
-                    return _backward_chunk(chunks[k], cotangents, zeros, n)
-
-            per_chunk = run_chunks(
-                executor,
-                len(chunks),
-                backward_chunk,
-                reverse=executor.reverse_backward,
-                context=JaxConfig().enter,  # the backward pass's own settings
-            )
-            with top_level():
-                return sum_chunk_grads(layout, per_chunk)
-        # Cotangents that are tracers (vmap or jit of the vjp function): the caller's thread.
-        per_chunk = [_backward_chunk(chunk, cotangents, zeros, n) for chunk in chunks]
-        return sum_chunk_grads(layout, per_chunk)
+        per_chunk = backward_chunks(
+            executor, chunks, lambda c: _backward_chunk(c, cotangents, zeros, n), on_workers
+        )
+        with top_level() if on_workers else nullcontext():
+            return sum_chunk_grads(layout, per_chunk)
 
     join = make_join(layout.inputs, outputs, backward)
     joined = iter(join(*layout.inputs))

@@ -23,7 +23,7 @@ class ProcessExecutor(RemoteExecutor):
     picklable (cloudpickle: lambdas and closures are); ``f``'s parameters and other tensors move
     to shared memory the first time they are sent, so an optimizer's in-place step reaches the
     workers with nothing sent. A worker that dies has its chunks recomputed by the others.
-    Design notes: ``gradmap/_remote/_map.py`` (the rule), ``gradmap/_process/_pool.py`` (the
+    Design notes: ``gradmap/_remote/_map.py`` (the rule), ``gradmap/_process/_workers.py`` (the
     processes) and ``gradmap/_process/_shared.py`` (shared memory).
 
     What differs from threads: ``f`` runs on copies of the objects it refers to, so what it
@@ -72,7 +72,7 @@ class ProcessExecutor(RemoteExecutor):
         self.start_timeout = start_timeout
 
     def _pool(self) -> Any:
-        from ._pool import get_pool
+        from ._workers import get_pool
 
         return get_pool(self.threads_per_worker)
 
@@ -84,7 +84,7 @@ class ProcessExecutor(RemoteExecutor):
         """The transport of a map of ``f`` over ``n`` elements: the caller alone for a map known
         to be tiny (NOTE [the caller works too])."""
         from ._local import local_host, tiny
-        from ._pool import ProcessTransport
+        from ._transport import ProcessTransport
 
         if not self.caller_helps:
             return ProcessTransport(self._pool(), self.processes)
@@ -102,7 +102,7 @@ class ProcessExecutor(RemoteExecutor):
     def shutdown(self) -> None:
         """Stop the worker processes (of this ``threads_per_worker``); the next map starts new
         ones."""
-        from ._pool import shutdown_pools
+        from ._workers import shutdown_pools
 
         shutdown_pools(self.threads_per_worker)
 

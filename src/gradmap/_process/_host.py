@@ -7,46 +7,27 @@ import queue
 import socket
 import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 from .._remote._host import CallSpec, Host
-from .._remote._pickling import LeafTable, loads
+from .._remote._pickling import LeafTable
 from ._shared import FDS_PER_MESSAGE, worker_storages
 
-__all__ = ["PAYLOADS_KEPT", "PayloadCache", "ProcessHost"]
+__all__ = ["PAYLOADS_KEPT", "ProcessHost"]
 
 #: Payloads of ``f`` (and the functions unpickled from them) a worker keeps, by digest; the
 #: caller keeps the same account of what each worker holds.
 PAYLOADS_KEPT = 8
 
 
-class PayloadCache:
-    """Payloads by digest, least recently used out first (the caller mirrors it)."""
-
-    def __init__(self) -> None:
-        self.items: OrderedDict[bytes, Any] = OrderedDict()
-
-    def get(self, digest: bytes) -> Any:
-        value = self.items[digest]
-        self.items.move_to_end(digest)
-        return value
-
-    def put(self, digest: bytes, value: Any) -> None:
-        self.items[digest] = value
-        self.items.move_to_end(digest)
-        while len(self.items) > PAYLOADS_KEPT:
-            self.items.popitem(last=False)
-
-
 class ProcessHost(Host):
     """What a worker process runs (see ``_worker.py`` for the loop around it)."""
 
     executor = "processes"
+    functions_kept = PAYLOADS_KEPT
 
     def __init__(self, threads: int, fds: socket.socket) -> None:
         super().__init__(threads)
-        self._payloads = PayloadCache()
         # A thread takes the descriptors off their socket as they come: a datagram socket holds
         # only a few messages, and the caller must never block on sending them.
         self._received: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -66,23 +47,15 @@ class ProcessHost(Host):
         threading.Thread(target=receive, name="gradmap-fds", daemon=True).start()
 
     # A box is ``(digest, payload or None)``: the payload comes the first time this worker needs
-    # it, and the caller's account of what each worker keeps mirrors ``_payloads`` (every call
-    # with a box touches both, in the same order).
+    # it, and the caller's account of what each worker keeps mirrors the host's functions
+    # (every call with a box touches both, in the same order); ``f`` is unpickled when a call
+    # first needs it.
 
     def _touch(self, box: tuple[bytes, bytes | None]) -> None:
-        digest, payload = box
-        if payload is not None:
-            self._payloads.put(digest, [payload, None])
-        else:
-            self._payloads.get(digest)
+        self._functions.touch(*box)
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
-        entry = self._payloads.items[box[0]]
-        if entry[1] is None:
-            leaves = LeafTable()
-            entry[1] = (loads(entry[0], leaves), leaves)
-        f, leaves = entry[1]
-        return f, leaves.copy()
+        return self._kept_function(box[0], lambda: box[1])
 
     # The forwards answer with the seconds they took last: the caller learns how long a map's
     # elements take (NOTE [the caller works too]); the transport takes them off.

@@ -45,46 +45,38 @@ from typing import Any
 import torch
 
 from .._engine import working_on_a_chunk
-from .._placement import key_of
+from .._placement import caller_seconds
 from .._remote._host import Host, hosting
 from .._remote._pickling import LeafTable
 from .._torch._random import SEEDING
 from ._host import PAYLOADS_KEPT
 
-__all__ = ["TINY", "LocalHost", "learn", "local_host", "tiny"]
+__all__ = ["TINY", "LocalHost", "local_host", "tiny"]
 
 #: Seconds of forward work under which a map runs in the caller alone (two round trips to a
 #: worker, forward and backward, cost about half a millisecond on an idle machine).
 TINY = 1e-3
 
-_seconds: dict[Any, float] = {}  # the caller's forward seconds per element, by (f, api)
-_MAX_HISTORY = 1024
-
 
 def tiny(f: Any, api: str, n: int) -> bool:
-    """Whether a map of ``f`` over ``n`` elements is known to be too small for the workers."""
-    seconds = _seconds.get((key_of(f), api))
+    """Whether a map of ``f`` over ``n`` elements is known to be too small for the workers (the
+    caller's measured seconds are kept with the placement's, in ``_placement``)."""
+    seconds = caller_seconds(f, api)
     return seconds is not None and seconds * n < TINY
-
-
-def learn(f: Any, api: str, seconds_per_element: float) -> None:
-    """Record a map's measured forward seconds per element in the caller."""
-    if len(_seconds) >= _MAX_HISTORY:
-        _seconds.clear()
-    _seconds[key_of(f), api] = seconds_per_element
 
 
 class LocalHost(Host):
     """The host of the caller's own chunks (one per process)."""
 
     executor = "processes"
+    functions_kept = PAYLOADS_KEPT
 
     def __init__(self) -> None:
         super().__init__(1, process=False)
         self.lock = threading.RLock()
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
-        return self._kept_function(box.digest, lambda: box.payload, PAYLOADS_KEPT)
+        return self._kept_function(box.digest, lambda: box.payload)
 
     def loads_payload(self, payload: bytes, leaves: LeafTable) -> Any:
         with _fresh_classes():

@@ -62,28 +62,16 @@ class SharedRef:
     """A tensor's place in a shared storage; unpickles to the tensor on a worker. ``storage``
     (not pickled) keeps the storage alive while the payload naming it is."""
 
-    __slots__ = ("dtype", "key", "offset", "shape", "storage", "stride")
+    __slots__ = ("key", "place", "storage")
 
-    def __init__(
-        self,
-        storage: Any,
-        key: tuple[int, int],
-        dtype: torch.dtype,
-        shape: tuple[int, ...],
-        stride: tuple[int, ...],
-        offset: int,
-    ) -> None:
+    def __init__(self, storage: Any, key: tuple[int, int], t: Tensor) -> None:
         self.storage = storage
-        self.key, self.dtype, self.shape, self.stride, self.offset = (
-            key,
-            dtype,
-            shape,
-            stride,
-            offset,
-        )
+        self.key = key
+        # dtype, shape, stride, offset: ``_rebuild``'s arguments after the key
+        self.place = (t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def __reduce__(self) -> Any:
-        return _rebuild, (self.key, self.dtype, self.shape, self.stride, self.offset)
+        return _rebuild, (self.key, *self.place)
 
 
 class Sharer:
@@ -117,9 +105,7 @@ class Sharer:
         if key not in self._fds:
             self._fds[key] = (fd, size, weakref.finalize(storage, self._died, key))
             caller_storages[key] = storage
-        return SharedRef(
-            storage, key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
-        )
+        return SharedRef(storage, key, t)
 
     def fd(self, key: tuple[int, int]) -> tuple[int, int]:
         """The file descriptor and size of a live shared storage (the storage holds the fd)."""

@@ -1,6 +1,6 @@
 """A worker process: the host of the rule in ``gradmap._remote``, answering calls over a socket.
 
-Started by the pool (``_pool.py``) as ``python -c "...main()" <socket fd> <fd socket fd>``; it
+Started by the pool (``_workers.py``) as ``python -c "...main()" <socket fd> <fd socket fd>``; it
 reads calls ``(method, args)`` from the socket and answers each, in order, with ``("ok", value)``
 or ``("error", exception, traceback)``. Its main thread reads the socket itself: a reading thread
 would wait for the GIL (up to the 5 ms switch interval) on every piece of a large call while the

@@ -27,6 +27,7 @@ class RayHost(Host):
     it is among the last ``PAYLOADS_KEPT``."""
 
     executor = "ray"
+    functions_kept = PAYLOADS_KEPT
 
     def run(self, method: str, blob: bytes, refs: list[Any]) -> Any:
         """``method(*args)`` with the arguments pickled in one ``blob`` (Ray serializes each
@@ -39,7 +40,7 @@ class RayHost(Host):
         import ray
 
         digest, refs = box
-        return self._kept_function(digest, lambda: ray.get(refs[0]), PAYLOADS_KEPT)
+        return self._kept_function(digest, lambda: ray.get(refs[0]))
 
 
 class PutCache:

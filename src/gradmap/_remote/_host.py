@@ -180,6 +180,49 @@ class _CallState:
     chunks: dict[int, _Kept] = field(default_factory=dict)
 
 
+class KeptFunctions:
+    """A host's functions, by the digest of their payload: each payload kept from when it
+    arrives, and unpickled (then dropped) when its function is first loaded; the last ``kept``
+    digests used, least recently used out first. A transport whose caller keeps an account of
+    what each worker holds (``_process``) mirrors it by touching every digest a call names, in
+    the caller's order."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        # digest -> [payload (until unpickled), (f, leaves) (once unpickled)]
+        self._entries: OrderedDict[bytes, list[Any]] = OrderedDict()
+
+    def touch(self, digest: bytes, payload: bytes | None = None) -> list[Any]:
+        """The entry of ``digest``, now the most recently used: made from ``payload`` if one
+        comes (a ``KeyError`` if none comes for a digest not kept)."""
+        entries = self._entries
+        if payload is not None:
+            entry = entries[digest] = [payload, None]
+            while len(entries) > self._kept:
+                entries.popitem(last=False)
+        else:
+            entry = entries[digest]
+        entries.move_to_end(digest)
+        return entry
+
+    def load(
+        self,
+        digest: bytes,
+        payload: Callable[[], bytes],
+        loads: Callable[[bytes, LeafTable], Any],
+    ) -> tuple[Any, LeafTable]:
+        """``f`` unpickled (with ``loads``) from its payload -- ``payload()`` the first time
+        ``digest`` comes -- and a copy of its leaf table for the call."""
+        entry = self._entries.get(digest)
+        entry = self.touch(digest, payload() if entry is None else None)
+        if entry[1] is None:
+            leaves = LeafTable()
+            entry[1] = (loads(entry[0], leaves), leaves)
+            entry[0] = None
+        f, leaves = entry[1]
+        return f, leaves.copy()
+
+
 class ForeignTensorError(RuntimeError):
     """``f`` used a tensor that requires grad and did not travel from the caller."""
 
@@ -194,6 +237,8 @@ class Host:
 
     #: The executor's name, for errors (``executor='ray'``).
     executor = "ray"
+    #: How many functions (by their payload's digest) the host keeps.
+    functions_kept = 4
 
     def __init__(self, threads: int, *, process: bool = True) -> None:
         """``process``: this process is the worker (the intra-op threads are set once, and maps
@@ -206,29 +251,17 @@ class Host:
         self._process = process
         self._threads = threads
         self._calls: dict[str, _CallState] = {}
-        self._functions: OrderedDict[bytes, tuple[Any, LeafTable]] = OrderedDict()
+        self._functions = KeptFunctions(self.functions_kept)
         self._items = KeptOnHost()  # NOTE [items kept from call to call]
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
         """``f`` unpickled from the payload ``box`` stands for, and the leaves it holds."""
         raise NotImplementedError
 
-    def _kept_function(
-        self, digest: bytes, payload: Callable[[], bytes], kept: int
-    ) -> tuple[Any, LeafTable]:
+    def _kept_function(self, digest: bytes, payload: Callable[[], bytes]) -> tuple[Any, LeafTable]:
         """``f`` unpickled from ``payload()`` the first time ``digest`` comes, and kept while it
-        is among the last ``kept`` digests; a copy of its leaf table for the call."""
-        functions = self._functions
-        entry = functions.get(digest)
-        if entry is None:
-            leaves = LeafTable()
-            entry = functions[digest] = (self.loads_payload(payload(), leaves), leaves)
-            while len(functions) > kept:
-                functions.popitem(last=False)
-        else:
-            functions.move_to_end(digest)
-        f, leaves = entry
-        return f, leaves.copy()
+        is among the last ``functions_kept`` digests; a copy of its leaf table for the call."""
+        return self._functions.load(digest, payload, self.loads_payload)
 
     def loads_payload(self, payload: bytes, leaves: LeafTable) -> Any:
         """``f`` unpickled from its payload."""
@@ -272,9 +305,21 @@ class Host:
             leaves; the pids of the caller's tensors the chunk used; whether this actor has drawn
             the map's seed.
         """
+        return self._each_chunk(call_id, box, spec, chunks, self._forward)
+
+    def _each_chunk(
+        self,
+        call_id: str,
+        box: Any,
+        spec: CallSpec,
+        chunks: list[tuple[int, int, Items]],
+        run: Callable[[_CallState, int, int, Items], bytes],
+    ) -> list:
+        """``run(state, chunk, start, items)`` for each chunk of a call; the call's state is
+        forgotten afterwards if it keeps no chunk."""
         state = self._call(call_id, box, spec)
         try:
-            return [self._forward(state, k, start, items) for k, start, items in chunks]
+            return [run(state, k, start, items) for k, start, items in chunks]
         finally:
             self._drop_if_empty(call_id, state)
 
@@ -352,11 +397,7 @@ class Host:
             chunk of losses (its detached sum, and the gradients of that sum), or what
             ``forward`` returns for it.
         """
-        state = self._call(call_id, box, spec)
-        try:
-            return [self._forward_sum(state, k, start, items) for k, start, items in chunks]
-        finally:
-            self._drop_if_empty(call_id, state)
+        return self._each_chunk(call_id, box, spec, chunks, self._forward_sum)
 
     def _forward_sum(self, state: _CallState, k: int, start: int, items: Items) -> bytes:
         spec = state.spec

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ from .._executors import RemoteExecutor, SerialExecutor
 from .._join import sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
+from .._request import MapRequest
 from .._torch._graph import buffers_kept, keep_graph
 from .._torch._graph import transforms_active as _transforms_active
 from .._torch._map import map_torch
@@ -92,6 +94,17 @@ def _release(transport: Transport, call_id: str, held: dict[int, int] | None) ->
         return
     with contextlib.suppress(Exception):
         transport.release(call_id, workers)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """What the driver keeps of one chunk of the map."""
+
+    items: bytes | KeptItems | None = None  # pickled once, when first sent (``pack_items``)
+    owner: int = -1  # the worker that ran its forward and keeps its graph (-1: none did)
+    diff: list[list[int]] = field(default_factory=list)  # per element: its join outputs' leaves
+    outputs: tuple[int, int] = (0, 0)  # its range among the join's outputs
+    early: list[tuple[int, Tensor]] | None = None  # a tsum chunk of losses: its sum's gradients
 
 
 class _Driver(JoinGraph):
@@ -122,14 +135,12 @@ class _Driver(JoinGraph):
         self.progress = progress
         self.box = transport.box(f_payload)
         self.elements: list[tuple[Any, ...]] = []
-        self.items: list[bytes | KeptItems | None] = [None] * plan.count
-        self.owners = [-1] * plan.count
-        self.diff: list[list[list[int]]] = [[] for _ in range(plan.count)]
-        self.bounds: list[tuple[int, int]] = []
+        self.chunks = [_Chunk() for _ in range(plan.count)]
         self.inputs: list[int] = []  # the pids of the join's inputs
         self.outputs: list[Tensor] = []  # the join outputs, until the join is applied
-        self.early: dict[int, list[tuple[int, Tensor]]] = {}  # tsum's chunks of losses
-        self.held: dict[int, int] = {}  # chunk -> the worker keeping its graph
+        # chunk -> the worker keeping its graph: the release's account, which the finalizer
+        # holds (it may not hold the driver)
+        self.held: dict[int, int] = {}
         self._finalizer = weakref.finalize(self, _release, transport, self.id, self.held)
         self._finalizer.atexit = False
 
@@ -179,7 +190,8 @@ class _Driver(JoinGraph):
         """Chunk ``k``'s items, pickled once (for the caller's own host too: ``f`` runs on
         copies of the items wherever its chunk runs), or as an earlier call pickled them (NOTE
         [items kept from call to call])."""
-        payload = self.items[k]
+        record = self.chunks[k]
+        payload = record.items
         if payload is None:
             start, stop = self.plan.bounds(k)
             chunk = self.elements[start:stop]
@@ -191,7 +203,7 @@ class _Driver(JoinGraph):
                     add_note(exc, _unpicklable(self.elements, start, stop, self.api))
                     raise
                 payload = items_cache.keep(found, pickled) or pickled
-            self.items[k] = payload
+            record.items = payload
         return payload
 
     def forward(self, elements: list[tuple[Any, ...]], method: str = "forward") -> list[Any]:
@@ -214,12 +226,12 @@ class _Driver(JoinGraph):
             if got[0] == "sum":
                 _, total, grads, chunk_drawn = got
                 per_chunk[k] = (None, total)
-                self.early[k] = grads
+                self.chunks[k].early = grads
                 used.update(pid for pid, _ in grads)
             else:
                 trees, diff, pids, chunk_drawn = got
                 per_chunk[k] = (trees, diff)
-                self.owners[k] = a
+                self.chunks[k].owner = a
                 if self.spec.graph and not self.remat:  # the worker keeps the chunk
                     self.held[k] = a
                 used.update(pids)
@@ -245,8 +257,9 @@ class _Driver(JoinGraph):
         payloads: dict[int, list[Any]] = {}
         per_chunk: dict[int, list[tuple[int, Tensor]]] = {}
         jobs = []
-        for k, (lo, hi) in enumerate(self.bounds):
-            early = self.early.get(k)
+        for k, record in enumerate(self.chunks):
+            lo, hi = record.outputs
+            early = record.early
             if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
                 c = cotangents[lo]
                 if c is not None:
@@ -255,7 +268,7 @@ class _Driver(JoinGraph):
                     per_chunk[k] = early if one else [(pid, g * c) for pid, g in early]
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
-                jobs.append(Job(k, None if self.remat else self.owners[k], recompute=self.remat))
+                jobs.append(Job(k, None if self.remat else record.owner, recompute=self.remat))
         bar = open_progress(self.progress, "backward", plan.n, self.api)
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
@@ -264,7 +277,7 @@ class _Driver(JoinGraph):
                     (
                         plan.bounds(k)[0],
                         self.pack_items(k),
-                        self.diff[k],
+                        self.chunks[k].diff,
                         self.cotangents_for(payloads[k], a),
                     )
                     for k in (j.chunk for j in jobs)
@@ -305,37 +318,26 @@ class _Driver(JoinGraph):
         return totals
 
 
-def map_remote(
-    f: Any,
-    elements: list[tuple[Any, ...]],
-    executor: RemoteExecutor,
-    plan: ChunkPlan,
-    *,
-    remat: bool = False,
-    progress: Any = False,
-    api: str = "gradmap.tmap",
-) -> Any:
+def map_remote(request: MapRequest) -> Any:
     """``[f(*args) for args in elements]`` (``api="gradmap.tmap"``) or their sum
-    (``"gradmap.tsum"``) on an executor's worker processes, differentiable as the loop is.
-
-    Arguments:
-        f: the function (picklable with cloudpickle).
-        elements: the argument tuples, one per element (picklable).
-        executor: the executor (Ray's, or the local processes').
-        plan: the chunk plan for ``len(elements)``.
-        remat: keep no graph on the workers; recompute each chunk in the backward.
-        progress: ``tmap``'s ``progress`` argument.
-        api: which map this is.
+    (``"gradmap.tsum"``) on the worker processes of the request's executor (Ray's, or the local
+    processes'), differentiable as the loop is. ``f`` must pickle with cloudpickle and the
+    items must pickle; ``remat`` keeps no graph on the workers and recomputes each chunk in the
+    backward.
 
     Returns:
         The results, in element order; or their sum, for ``tsum``.
     """
+    f, elements, plan = request.f, request.elements, request.plan
+    executor, remat, api = request.executor, request.remat, request.api
+    assert isinstance(executor, RemoteExecutor)
     summed = api == "gradmap.tsum"
     if _transforms_active() or in_worker():
         # NOTE [torch.func and forward AD] in _torch/_map: the plain loop, in the caller's
         # process. A map inside f, on a worker: this process is one worker with its CPUs, so it
         # runs here.
-        results = map_torch(f, elements, SerialExecutor(), plan, remat=remat, progress=progress)
+        here = replace(request, executor=SerialExecutor(), api="gradmap.tmap", placement="auto")
+        results = map_torch(here)
         return sum_results(results) if summed else results
     transport: Transport = executor.transport(f, api, plan.n)  # type: ignore[assignment]
     graph = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -361,7 +363,7 @@ def map_remote(
             "executor='threads'",
         )
         raise
-    call = _Driver(f, transport, f_payload, spec, table, plan, executor, remat, progress)
+    call = _Driver(f, transport, f_payload, spec, table, plan, executor, remat, request.progress)
     try:
         per_chunk = call.forward(elements, "forward_sum" if summed and graph else "forward")
     except BaseException:
@@ -385,14 +387,14 @@ def map_remote(
             placed.append(([diff], None, [0]))
             sizes.append(1)
         else:
-            call.diff[k] = diff
+            call.chunks[k].diff = diff
             for tree, positions in zip(trees, diff):
                 leaves, spec_ = flatten(tree)
                 for pos in positions:
                     call.outputs.append(leaves[pos])
                 placed.append((leaves, spec_, positions))
             sizes.append(len(trees))
-        call.bounds.append((lo, len(call.outputs)))
+        call.chunks[k].outputs = (lo, len(call.outputs))
     inputs = [call.table.tensors[pid] for pid in call.inputs]
     if not (call.outputs and inputs):
         # Nothing to differentiate through: the results stand as they came.
@@ -403,7 +405,7 @@ def map_remote(
         joined = JoinNode.apply(call, *inputs)
         call.outputs = []  # the join's outputs are the results' now (no cycle through the join)
         results = fill_leaves(placed, joined)
-        if not any(call.owners[k] >= 0 for k in range(plan.count)) and not remat:
+        if not any(c.owner >= 0 for c in call.chunks) and not remat:
             call.release()  # nothing is kept on the workers (tsum's chunks of losses)
     return sum_results(results, sizes) if summed else results
 

@@ -13,8 +13,8 @@ import torch
 from .._engine import ChunkRun, run_chunks
 from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
 from .._placement import Placement, placement_for
-from .._plan import ChunkPlan
 from .._progress import open_progress
+from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
 from ._graph import Known
 from ._native import native
@@ -31,32 +31,22 @@ CALLER = SerialExecutor()
 class MapCall:
     """One call of ``tmap``/``tsum``: what every pass needs."""
 
-    def __init__(
-        self,
-        f: Callable[..., Any],
-        elements: list[tuple[Any, ...]],
-        executor: Executor,
-        plan: ChunkPlan,
-        *,
-        remat: bool,
-        progress: Any,
-        placement: str,
-        api: str,
-    ) -> None:
+    def __init__(self, request: MapRequest) -> None:
+        f, elements, executor = request.f, request.elements, request.executor
         self.f: Callable[..., Any] | None = f
         self.elements: list[tuple[Any, ...]] | None = elements
         self.executor = executor
-        self.plan = plan
-        self.remat = remat
-        self.progress = progress
-        self.api = api
+        self.plan = request.plan
+        self.remat = remat = request.remat
+        self.progress = request.progress
+        self.api = api = request.api
         self.n = len(elements)
         self.state = ThreadState()
         self.random = MapRandom()
         self.placement: Placement = placement_for(
             f,
-            forced_many=placement == "many",
-            forced_one=placement == "one",
+            forced_many=request.placement == "many",
+            forced_one=request.placement == "one",
             # maps of one f over counts within a factor of two share a history
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length()),
         )

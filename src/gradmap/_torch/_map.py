@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun
-from .._executors import Executor
 from .._join import JoinLayout, sum_in_chunk_order
-from .._plan import ChunkPlan
+from .._request import MapRequest
 from .._tree import fill_leaves, unflatten
 from ._call import CALLER, MapCall
 from ._chunk import ACCUMULATE, ChunkRecord, pull_back
@@ -47,33 +46,16 @@ __all__ = ["MapGraph", "map_torch"]
 Tensor = torch.Tensor
 
 
-def map_torch(
-    f: Callable[..., Any],
-    elements: list[tuple[Any, ...]],
-    executor: Executor,
-    plan: ChunkPlan,
-    *,
-    remat: bool = False,
-    progress: Any = False,
-    placement: str = "auto",
-) -> list[Any]:
-    """``[f(*args) for args in elements]`` on ``executor`` (threads: chunks share the caller's
-    memory), differentiable as the loop is."""
+def map_torch(request: MapRequest) -> list[Any]:
+    """``[f(*args) for args in elements]`` on the request's executor (threads: chunks share the
+    caller's memory), differentiable as the loop is."""
+    f, elements = request.f, request.elements
     if transforms_active():
         # NOTE [torch.func and forward AD]: functorch's interpreter stack and forward-AD levels
         # are state the worker threads do not share, and the join node has no forward rule, so
         # under a transform the map runs as the plain loop, in the caller's thread.
         return [f(*args) for args in elements]
-    call = MapCall(
-        f,
-        elements,
-        executor,
-        plan,
-        remat=remat,
-        progress=progress,
-        placement=placement,
-        api="gradmap.tmap",
-    )
+    call = MapCall(request)
     with_graph = torch.is_grad_enabled() and not call.state.inference
     if with_graph:
         call.known = Known(f, elements, eager=call.off_caller)

@@ -11,10 +11,9 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun, run_pipeline
-from .._executors import Executor
 from .._join import JoinLayout
-from .._plan import ChunkPlan
 from .._progress import open_progress
+from .._request import MapRequest
 from .._tree import flatten, unflatten
 from ._call import MapCall
 from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
@@ -29,16 +28,7 @@ __all__ = ["sum_results", "sum_torch"]
 Tensor = torch.Tensor
 
 
-def sum_torch(
-    f: Callable[..., Any],
-    elements: list[tuple[Any, ...]],
-    executor: Executor,
-    plan: ChunkPlan,
-    *,
-    remat: bool = False,
-    progress: Any = False,
-    placement: str = "auto",
-) -> Any:
+def sum_torch(request: MapRequest) -> Any:
     """``sum(f(*args) for args in elements)``, leaf by leaf, differentiable as the loop is.
 
     NOTE [tsum pulls back during the forward]:
@@ -53,22 +43,13 @@ def sum_torch(
         recomputes]).
     """
     if transforms_active():
-        return sum_results(map_torch(f, elements, executor, plan, remat=remat, progress=progress))
-    call = MapCall(
-        f,
-        elements,
-        executor,
-        plan,
-        remat=remat,
-        progress=progress,
-        placement=placement,
-        api="gradmap.tsum",
-    )
+        return sum_results(map_torch(request))
+    call = MapCall(request)
     if not (torch.is_grad_enabled() and not call.state.inference):
         records = call.forward(False)
         results = [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
         return sum_results(results, [len(r.elements) for r in records])
-    call.known = Known(f, elements, eager=call.off_caller)
+    call.known = Known(request.f, request.elements, eager=call.off_caller)
     return _sum_join(call, _forward_pulled_back(call))
 
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 __all__ = [
     "WORKLOADS",
     "Bag",
+    "ModelWorkload",
     "NeuralODE",
     "ODESample",
     "Overhead",
@@ -126,6 +127,17 @@ class Workload(ABC, Generic[ItemT]):
         raise NotImplementedError(f"workload {self.name!r} has no batched formulation")
 
 
+class ModelWorkload(Workload[ItemT]):
+    """A workload whose parameters are those of the one module, ``model``, that ``f`` runs."""
+
+    def __init__(self, model: nn.Module, items: list[ItemT]) -> None:
+        self.model = model
+        self.items = items
+
+    def params(self) -> list[Tensor]:
+        return list(self.model.parameters())
+
+
 def seeded_module(seed: int, build: Callable[[], ModuleT]) -> ModuleT:
     """Build a module with its default initialisation drawn from ``seed``.
 
@@ -194,7 +206,7 @@ def pad_bags(bags: Sequence[Bag]) -> tuple[Tensor, Tensor, Tensor]:
     return x, mask, y
 
 
-class _Bags(Workload[Bag]):
+class _Bags(ModelWorkload[Bag]):
     """Bags of instances through a shared MLP; a bag's prediction is the mean over its instances.
 
     The loss of a bag is the squared error of that mean against the bag's target.
@@ -204,10 +216,6 @@ class _Bags(Workload[Bag]):
     max_size: ClassVar[int]
     sizes: ClassVar[tuple[int, ...]]
     has_batched = True
-
-    def __init__(self, model: nn.Module, items: list[Bag]) -> None:
-        self.model = model
-        self.items = items
 
     @classmethod
     def make(cls, seed: int, n: int) -> _Bags:
@@ -223,9 +231,6 @@ class _Bags(Workload[Bag]):
     def f(self, item: Bag) -> Tensor:
         prediction = self.model(item.x).mean()
         return (prediction - item.y) ** 2
-
-    def params(self) -> list[Tensor]:
-        return list(self.model.parameters())
 
     def batched_loss(self, items: Sequence[Bag]) -> Tensor:
         x, mask, y = pad_bags(items)
@@ -321,7 +326,7 @@ class TreeNet(nn.Module):
         return self.readout(self.embed(leaves, shape)).squeeze(-1)
 
 
-class Tree(Workload[TreeSample]):
+class Tree(ModelWorkload[TreeSample]):
     """Random binary trees of 5-59 nodes (3-30 leaves, 16 features), regression at the root."""
 
     name = "tree"
@@ -330,10 +335,6 @@ class Tree(Workload[TreeSample]):
     quick_n = 32
     features = 16
     hidden = 64
-
-    def __init__(self, model: TreeNet, items: list[TreeSample]) -> None:
-        self.model = model
-        self.items = items
 
     @classmethod
     def make(cls, seed: int, n: int) -> Tree:
@@ -352,9 +353,6 @@ class Tree(Workload[TreeSample]):
 
     def f(self, item: TreeSample) -> Tensor:
         return (self.model(item.leaves, item.shape) - item.y) ** 2
-
-    def params(self) -> list[Tensor]:
-        return list(self.model.parameters())
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,7 +406,7 @@ def rk4(field: Callable[[Tensor], Tensor], y0: Tensor, t1: float, steps: int) ->
     return y
 
 
-class NeuralODE(Workload[ODESample]):
+class NeuralODE(ModelWorkload[ODESample]):
     """States of width 16 integrated over ``[0, 1]`` with 10-60 RK4 steps; loss ``|y(1)|^2``."""
 
     name = "ode"
@@ -417,10 +415,6 @@ class NeuralODE(Workload[ODESample]):
     quick_n = 12
     dim = 16
     hidden = 64
-
-    def __init__(self, model: VectorField, items: list[ODESample]) -> None:
-        self.model = model
-        self.items = items
 
     @classmethod
     def make(cls, seed: int, n: int) -> NeuralODE:
@@ -433,15 +427,12 @@ class NeuralODE(Workload[ODESample]):
     def f(self, item: ODESample) -> Tensor:
         return rk4(self.model, item.y0, 1.0, item.steps).pow(2).sum()
 
-    def params(self) -> list[Tensor]:
-        return list(self.model.parameters())
-
 
 # --------------------------------------------------------------------------------------------
 # Large ops per element
 
 
-class Sequences(Workload[Tensor]):
+class Sequences(ModelWorkload[Tensor]):
     """Sequences of 20-120 steps of width 32 through one GRU layer (hidden 128); loss: the mean of
     the last hidden state squared. Each element is a few large ops that release the GIL."""
 
@@ -452,10 +443,6 @@ class Sequences(Workload[Tensor]):
     dim = 32
     hidden = 128
 
-    def __init__(self, model: nn.GRU, items: list[Tensor]) -> None:
-        self.model = model
-        self.items = items
-
     @classmethod
     def make(cls, seed: int, n: int) -> Sequences:
         gen = torch.Generator().manual_seed(seed)
@@ -465,9 +452,6 @@ class Sequences(Workload[Tensor]):
     def f(self, item: Tensor) -> Tensor:
         _, last = self.model(item)
         return last.pow(2).mean()
-
-    def params(self) -> list[Tensor]:
-        return list(self.model.parameters())
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""gradmap's worker processes: starting them, calls over their sockets, a worker's death, shutdown.
+"""gradmap's worker processes: starting them, the calls in flight to each over its sockets, a
+worker's death, shutdown. The calls themselves (what is sent, and the caller as one more worker)
+are the transport's (``_transport.py``).
 
 NOTE [worker processes]:
     A worker is a fresh interpreter (``subprocess``, ``sys.executable``), not a fork: forking a
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import os
 import pickle
 import queue
@@ -39,34 +40,30 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict, deque
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .._errors import add_note
-from .._remote._pickling import Payload
-from .._remote._schedule import Transport, WorkerLost
-from ._host import PAYLOADS_KEPT
-from ._local import LocalHost, learn
-from ._shared import FDS_PER_MESSAGE, Sharer
+from ._shared import Sharer
 
-__all__ = ["Pool", "ProcessTransport", "get_pool", "shutdown_pools"]
+__all__ = ["CallInFlight", "Pool", "Worker", "get_pool", "shutdown_pools"]
 
 _COMMAND = "from gradmap._process._worker import main; main()"
 
-#: Work methods whose answers end with the seconds the worker spent on them (``ProcessHost``).
-_TIMED = ("forward", "forward_sum")
 _SOCKET_BUFFER = 4 << 20  # bytes: a chunk's items in one write, where the kernel allows it
 #: The folder that holds the ``gradmap`` package (three up from this file), put on the worker's
 #: path so that it imports this gradmap.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class _Call:
+class CallInFlight:
+    """A call in flight to a worker process: its answer, once read (``Worker.read_one``), or
+    that the worker died first (``lost``)."""
+
     __slots__ = ("cancelled", "done", "error", "lost", "timed", "value", "worker")
 
-    def __init__(self, worker: _Worker, timed: bool = False) -> None:
+    def __init__(self, worker: Worker, timed: bool = False) -> None:
         self.worker = worker
         self.timed = timed  # the answer ends with the seconds the worker took (a forward)
         self.done = self.lost = self.cancelled = False
@@ -74,19 +71,7 @@ class _Call:
         self.error: BaseException | None = None
 
 
-class _LocalCall:
-    """A call to the caller's own host: run when the pass waits (``ProcessTransport.wait``)."""
-
-    __slots__ = ("args", "cancelled", "done", "error", "lost", "method", "value")
-
-    def __init__(self, method: str, args: tuple[Any, ...]) -> None:
-        self.method, self.args = method, args
-        self.done = self.lost = self.cancelled = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
-class _Worker:
+class Worker:
     """One worker process and the caller's account of it."""
 
     def __init__(self, threads: int) -> None:
@@ -114,7 +99,7 @@ class _Worker:
         self.sock = ours  # written to directly (``send``); read through ``conn``
         self.conn = Connection(os.dup(ours.fileno()))
         self.fds = fd_ours
-        self.pending: deque[_Call] = deque()
+        self.pending: deque[CallInFlight] = deque()
         # NOTE [writing calls]: a call is written by the caller's thread at once when the
         # socket takes it whole (a non-blocking send: the common case, no thread switch);
         # what does not fit goes to a thread of the worker's own, which blocks on it, and so do
@@ -248,7 +233,7 @@ class _Worker:
         self.alive = False
 
 
-def _remote_error(payload: bytes | None, text: str, worker: _Worker) -> BaseException:
+def _remote_error(payload: bytes | None, text: str, worker: Worker) -> BaseException:
     exc: BaseException | None = None
     if payload is not None:
         try:
@@ -267,18 +252,18 @@ class Pool:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self.workers: list[_Worker] = []
+        self.workers: list[Worker] = []
         self.sharer = Sharer()
         self.lock = threading.Lock()
 
-    def ensure(self, count: int) -> list[_Worker]:
+    def ensure(self, count: int) -> list[Worker]:
         """The first ``count`` workers, starting (or restarting) those needed."""
         with self.lock:
             while len(self.workers) < count:
-                self.workers.append(_Worker(self.threads))
+                self.workers.append(Worker(self.threads))
             for i in range(count):
                 if not self.workers[i].alive and not self.workers[i].pending:
-                    self.workers[i] = _Worker(self.threads)
+                    self.workers[i] = Worker(self.threads)
             return self.workers[:count]
 
     def forget_dead(self) -> None:
@@ -294,7 +279,7 @@ class Pool:
                 if gone and w.alive:
                     w.storages -= gone
                     w.send(("forget", (sorted(gone),)))
-                    call = _Call(w)
+                    call = CallInFlight(w)
                     call.cancelled = True
                     w.pending.append(call)
 
@@ -303,199 +288,6 @@ class Pool:
             workers, self.workers = self.workers, []
         for w in workers:
             w.stop()
-
-
-class _Box:
-    """``f``'s payload for one map: its digest, and the shared storages it names (kept alive
-    while the map is)."""
-
-    __slots__ = ("digest", "keys", "payload")
-
-    def __init__(self, payload: bytes, storages: dict[tuple[int, int], Any]) -> None:
-        self.payload = payload
-        self.digest = hashlib.blake2b(payload, digest_size=16).digest()
-        self.keys = storages
-
-
-class ProcessTransport(Transport):
-    """Calls to the first ``count`` workers of a pool."""
-
-    name = "processes"
-    depth = 2
-
-    def __init__(self, pool: Pool, count: int, local: LocalHost | None = None) -> None:
-        """``count`` worker processes, and with ``local`` the caller too, as the last worker
-        (NOTE [the caller works too] in ``_local.py``)."""
-        super().__init__(count + (local is not None))
-        self.pool = pool
-        self._remote = count
-        self._local = local
-        self.seconds = 0.0  # the forward calls' seconds of work (any worker's), and chunks
-        self.timed_chunks = 0
-        self._workers = pool.ensure(count)
-        pool.forget_dead()
-
-    def local(self, worker: int) -> bool:
-        return worker == self._remote
-
-    def most(self, worker: int) -> int | None:
-        # The caller runs one chunk at a time: between two, it answers the workers (if any).
-        return 1 if worker == self._remote and self._remote else None
-
-    def _worker(self, index: int) -> _Worker:
-        w = self._workers[index]
-        if not w.alive and not w.pending:  # restart a dead worker when it is called again
-            w = self._workers[index] = self.pool.ensure(index + 1)[index]
-        return w
-
-    def box(self, payload: bytes) -> Any:
-        return _Box(payload, getattr(payload, "keys", {}))
-
-    def call(self, worker: int, method: str, *args: Any) -> Any:
-        if worker == self._remote:
-            return _LocalCall(method, args)  # run by ``wait``, when no worker has an answer
-        w = self._worker(worker)
-        call = _Call(w, method in _TIMED)
-        if not w.alive:
-            call.lost = call.done = True
-            return call
-        try:
-            with w.lock:
-                args = tuple(self._prepare(w, a) for a in args)
-                w.send((method, args))
-                w.pending.append(call)
-        except (OSError, EOFError):
-            w.died()
-            call.lost = call.done = True
-        return call
-
-    def _prepare(self, w: _Worker, arg: Any) -> Any:
-        """A box as the worker gets it: the storages it lacks first, then the payload only if
-        the worker does not keep it. Items (``Payload``, in a list of chunks) may name shared
-        storages too."""
-        if isinstance(arg, list):
-            for chunk in arg:
-                if isinstance(chunk, tuple):
-                    for part in chunk:
-                        if isinstance(part, Payload) and part.keys:
-                            self._share(w, part.keys)
-            return arg
-        if not isinstance(arg, _Box):
-            return arg
-        self._share(w, arg.keys)
-        if arg.digest in w.payloads:
-            w.payloads.move_to_end(arg.digest)
-            return (arg.digest, None)
-        w.payloads[arg.digest] = None
-        while len(w.payloads) > PAYLOADS_KEPT:
-            w.payloads.popitem(last=False)
-        return (arg.digest, arg.payload)
-
-    def _share(self, w: _Worker, keys: Any) -> None:
-        """Send the worker the descriptors of the storages it lacks."""
-        missing = [key for key in keys if key not in w.storages]
-        if missing:
-            sharer = self.pool.sharer
-            entries = []
-            fds = []
-            for key in missing:
-                fd, size = sharer.fd(key)
-                fds.append(fd)
-                entries.append((key, size))
-            for start in range(0, len(fds), FDS_PER_MESSAGE):
-                socket.send_fds(w.fds, [b"s"], fds[start : start + FDS_PER_MESSAGE])
-            w.send(("share", (entries,)))
-            w.pending.append(_Call(w))  # its answer (None) is read and dropped
-            w.pending[-1].cancelled = True
-            w.storages.update(missing)
-
-    def wait(self, handles: list[Any], timeout: float) -> list[Any]:
-        ready = [h for h in handles if h.done]
-        if ready:
-            return ready
-        local = next((h for h in handles if type(h) is _LocalCall), None)
-        if local is None:
-            return self._wait_remote(handles, timeout)
-        # The workers' answers first (their next calls go out before the caller runs a chunk).
-        if len(handles) > 1:
-            ready = self._wait_remote(handles, 0.0)
-            if ready:
-                return ready
-        self._run_local(local)
-        return [local]
-
-    def _run_local(self, call: _LocalCall) -> None:
-        assert self._local is not None
-        start = time.perf_counter()
-        try:
-            if not call.cancelled:
-                call.value = self._local.run(call.method, call.args)
-        except Exception as exc:
-            call.error = exc
-        finally:
-            call.done = True
-            if call.method in _TIMED and call.error is None:
-                self.seconds += time.perf_counter() - start
-                self.timed_chunks += len(call.args[3])  # (call_id, box, spec, chunks)
-            call.args = ()
-
-    def learn(self, f: Any, api: str, chunks: int, elements: int) -> None:
-        if self._local is not None and self.timed_chunks:
-            seconds = self.seconds / self.timed_chunks * chunks / max(1, elements)
-            learn(f, api, seconds)
-
-    def _wait_remote(self, handles: list[Any], timeout: float) -> list[Any]:
-        handles = [h for h in handles if type(h) is not _LocalCall]
-        ready = [h for h in handles if h.done]
-        if ready:
-            return ready
-        deadline = time.monotonic() + timeout
-        while True:
-            workers = {id(h.worker): h.worker for h in handles if not h.done}
-            conns = {w.conn: w for w in workers.values() if w.alive}
-            if not conns:
-                return [h for h in handles if h.done]
-            left = max(0.0, deadline - time.monotonic())
-            for conn in wait(list(conns), timeout=left):
-                conns[conn].read_ready()  # type: ignore[index]
-            ready = [h for h in handles if h.done]
-            if ready or time.monotonic() >= deadline:
-                return ready
-
-    def get(self, handle: Any) -> Any:
-        call: _Call = handle
-        if call.lost:
-            raise WorkerLost(
-                f"gradmap: worker process {call.worker.pid} died ({call.worker.exit_status()})"
-            )
-        if call.error is not None:
-            raise call.error
-        if getattr(call, "timed", False):
-            *values, seconds = call.value
-            self.seconds += seconds
-            self.timed_chunks += len(values)
-            return values
-        return call.value
-
-    def cancel(self, handle: Any) -> None:
-        handle.cancelled = True
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every worker process; the values, in worker order."""
-        handles = [self.call(index, method, *args) for index in range(self._remote)]
-        while not all(h.done for h in handles):
-            self.wait([h for h in handles if not h.done], 1.0)
-        return [self.get(h) for h in handles]
-
-    def release(self, call_id: str, workers: list[int] | None = None) -> None:
-        # The answers are read (and dropped) by the next wait on each worker.
-        for index in range(self.workers) if workers is None else workers:
-            if index == self._remote:
-                assert self._local is not None
-                with self._local.lock:
-                    self._local.release(call_id)
-            elif self._workers[index].alive:
-                self.call(index, "release", call_id).cancelled = True
 
 
 _pools: dict[int, Pool] = {}
