@@ -247,8 +247,7 @@ class RaggedBags(_Bags):
 
     name = "ragged_bags"
     summary = "bags of 5-200 x 64, MLP 64-128-128-1, mean per bag (coarse)"
-    default_n = 256
-    quick_n = 32
+    default_n, quick_n = 256, 32
     min_size, max_size = 5, 200
     sizes = (64, 128, 128, 1)
 
@@ -258,8 +257,7 @@ class SmallBags(_Bags):
 
     name = "small_bags"
     summary = "bags of 1-8 x 16, MLP 16-32-1, mean per bag (fine)"
-    default_n = 2048
-    quick_n = 256
+    default_n, quick_n = 2048, 256
     min_size, max_size = 1, 8
     sizes = (16, 32, 1)
 
@@ -331,10 +329,8 @@ class Tree(ModelWorkload[TreeSample]):
 
     name = "tree"
     summary = "recursive net over random binary trees of 5-59 nodes, hidden 64"
-    default_n = 256
-    quick_n = 32
-    features = 16
-    hidden = 64
+    default_n, quick_n = 256, 32
+    features, hidden = 16, 64
 
     @classmethod
     def make(cls, seed: int, n: int) -> Tree:
@@ -411,10 +407,8 @@ class NeuralODE(ModelWorkload[ODESample]):
 
     name = "ode"
     summary = "RK4 of a neural ODE (dim 16, hidden 64), 10-60 steps per sample"
-    default_n = 128
-    quick_n = 12
-    dim = 16
-    hidden = 64
+    default_n, quick_n = 128, 12
+    dim, hidden = 16, 64  # state width, field width
 
     @classmethod
     def make(cls, seed: int, n: int) -> NeuralODE:
@@ -438,10 +432,8 @@ class Sequences(ModelWorkload[Tensor]):
 
     name = "gru"
     summary = "one GRU layer (32 -> 128) per sequence of 20-120 steps: large ops per element"
-    default_n = 64
-    quick_n = 8
-    dim = 32
-    hidden = 128
+    default_n, quick_n = 64, 8
+    dim, hidden = 32, 128
 
     @classmethod
     def make(cls, seed: int, n: int) -> Sequences:
