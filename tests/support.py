@@ -73,6 +73,17 @@ class Setup:
         return list(torch.autograd.grad(loss, self.tensors())), [y.detach() for y in ys]
 
 
+def noisy(w: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """An ``f`` that draws noise and a mask: its loss, and the draws (noise, then mask)."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn(x.shape)
+        keep = (torch.rand(x.shape[0], 1) > 0.3).to(x.dtype)
+        return ((x * w + noise) ** 2 * keep).sum(), torch.cat([noise, keep], 1)
+
+    return f
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,9 @@
 """The process executor (``executor="processes"``, ``gradmap.ProcessExecutor``): the plain loop's
 results and gradients from worker processes; shared memory, random numbers, errors, dead workers.
 
+What every remote executor must do (Ray's too) is tested in ``test_remote.py``; here, what is the
+process executor's own.
+
 One executor of 2 workers serves the whole module (a worker takes about 1.5 s to start).
 """
 
@@ -25,7 +28,7 @@ import gradmap
 from gradmap._process import _local
 
 import support
-from support import Boom, Killer, Setup, SlowBackward, deadline, loop, mark, notes, ragged
+from support import Killer, Setup, SlowBackward, deadline, loop, mark, noisy, notes, ragged
 
 #: Every worker pid a test saw (killed ones included): none may outlive ``shutdown``.
 _SEEN_PIDS: set[int] = set()
@@ -76,12 +79,6 @@ def _close(got: Any, ref: Any) -> None:
             assert g is None
         else:
             torch.testing.assert_close(g, r)
-
-
-def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
 
 
 def _works(ex: Any) -> None:
@@ -203,25 +200,6 @@ def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
     _close([t.grad for t in s.tensors()], ref)
 
 
-def test_mlp_matches_loop_with_autograd_grad(ex):
-    s = Setup()
-    ref, ref_y = s.grads(loop)
-    got, got_y = s.grads(_on(ex))
-    _close(got_y, ref_y)
-    _close(got, ref)
-
-
-def test_deterministic_across_runs_workers_and_threads(ex):
-    s = Setup()
-    first, _ = s.grads(_on(ex))
-    second, _ = s.grads(_on(ex))
-    one_worker, _ = s.grads(_on(gradmap.ProcessExecutor(workers=1, timeout=120)))
-    threads, _ = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="threads", chunksize=2))
-    _bitwise(first, second)
-    _bitwise(first, one_worker)
-    _bitwise(first, threads)
-
-
 def test_closure_tensor_and_non_leaf_made_before_the_call(ex):
     w = torch.randn(3, requires_grad=True)
     c = torch.randn(3, requires_grad=True)
@@ -274,29 +252,6 @@ def test_one_tensor_as_item_closure_and_result(ex):
     _close(torch.autograd.grad(loss(got), [w]), torch.autograd.grad(loss(ref), [w]))
 
 
-def test_pytree_results_tuple_and_dict(ex):
-    xs = ragged(n=7)
-    w = torch.randn(4, requires_grad=True)
-
-    def f(x: torch.Tensor) -> tuple[Any, ...]:
-        y = x * w
-        return y.sum(), {"max": y.max(), "rows": x.shape[0], "mean": y.mean(0)}, "tag"
-
-    ref = loop(f, xs)
-    got = gradmap.tmap(f, xs, executor=ex, chunksize=3)
-    assert [g[2] for g in got] == ["tag"] * 7
-    assert [g[1]["rows"] for g in got] == [r[1]["rows"] for r in ref]
-    for g, r in zip(got, ref):
-        torch.testing.assert_close(g[0], r[0])
-        torch.testing.assert_close(g[1]["max"], r[1]["max"])
-        torch.testing.assert_close(g[1]["mean"], r[1]["mean"])
-
-    def loss(out: list[Any]) -> torch.Tensor:
-        return sum(o[0] * 2 + o[1]["max"] + (o[1]["mean"] * torch.arange(4.0)).sum() for o in out)
-
-    _close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
-
-
 def test_results_not_requiring_grad(ex):
     w = torch.randn(3, requires_grad=True)
     xs = torch.randn(5, 3)
@@ -330,39 +285,6 @@ def test_autograd_grad_with_inputs(ex):
     (r,) = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), [s.w])
     torch.testing.assert_close(s.w.grad, r)
     assert s.a.grad is None and all(p.grad is None for p in s.model.parameters())
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_retain_graph_then_second_backward(ex, api):
-    s = Setup()
-    f = s.f()
-    if api == "tmap":
-        loss = torch.stack(gradmap.tmap(f, s.xs, executor=ex, chunksize=3)).sum()
-    else:
-        loss = gradmap.tsum(f, s.xs, executor=ex, chunksize=3)
-    ref = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), s.tensors())
-    g1 = torch.autograd.grad(loss, s.tensors(), retain_graph=True)
-    g2 = torch.autograd.grad(loss, s.tensors())
-    _close(g1, ref)
-    _close(g2, ref)
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        loss.backward()
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_no_grad_forward(ex, api):
-    s = Setup()
-    f = s.f()
-    with torch.no_grad():
-        ref = loop(f, s.xs)
-        if api == "tmap":
-            got = gradmap.tmap(f, s.xs, executor=ex, chunksize=2)
-            assert not any(y.requires_grad for y in got)
-            _close(got, ref)
-        else:
-            got = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
-            assert not got.requires_grad
-            torch.testing.assert_close(got, torch.stack(ref).sum())
 
 
 def _stored(ex: Any) -> int:
@@ -513,38 +435,6 @@ def test_gradcheck_tsum(ex, vector):
 
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_create_graph_backward_raises_naming_threads(ex, api):
-    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    xs = torch.randn(4, 3, dtype=torch.float64)
-    f = lambda x: (x * w).pow(2).sum()  # noqa: E731
-    if api == "tmap":
-        loss = torch.stack(gradmap.tmap(f, xs, executor=ex, chunksize=2)).sum()
-    else:
-        loss = gradmap.tsum(f, xs, executor=ex, chunksize=2)
-    with pytest.raises(NotImplementedError) as info:
-        torch.autograd.grad(loss, [w], create_graph=True)
-    assert "executor='threads'" in str(info.value)
-    del loss, info
-    _works(ex)
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_remat_matches_loop(ex, api):
-    s = Setup()
-    if api == "tmap":
-        ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
-        loss = sum((i + 1) * y for i, y in enumerate(ys))
-    else:
-        loss = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
-    ref_ys = loop(s.f(), s.xs)
-    if api == "tmap":
-        _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
-    ref = sum((i + 1) * y for i, y in enumerate(ref_ys)) if api == "tmap" else sum(ref_ys)
-    torch.testing.assert_close(loss, ref)
-    _close(torch.autograd.grad(loss, s.tensors()), torch.autograd.grad(ref, s.tensors()))
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_remat_applies_buffer_updates_once(ex, api):
     """BatchNorm in train mode counts its batches in a buffer, which workers update in shared
     memory: the forward counts each element once, as the loop does, and the recompute does
@@ -679,49 +569,6 @@ def test_fresh_closure_tensors_do_not_accumulate(ex):
 # -- random numbers ---------------------------------------------------------------------------
 
 
-def _noisy(w: torch.Tensor) -> Any:
-    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = torch.randn(x.shape)
-        keep = (torch.rand(x.shape[0], 1) > 0.3).to(x.dtype)
-        return ((x * w + noise) ** 2 * keep).sum(), torch.cat([noise, keep], 1)
-
-    return f
-
-
-def _noisy_reference(w: torch.Tensor, xs: list[torch.Tensor], draws: list[torch.Tensor]) -> Any:
-    # The loop with the same draws: f's formula with the noise and mask each element drew.
-    return [((x * w + d[:, :-1]) ** 2 * d[:, -1:]).sum() for x, d in zip(xs, draws)]
-
-
-@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
-def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
-    xs = ragged(grad=False)
-    w = torch.randn(4, requires_grad=True)
-    f = _noisy(w)
-
-    def run(executor: Any, **kwargs: Any) -> Any:
-        torch.manual_seed(1)
-        out = gradmap.tmap(f, xs, executor=executor, chunksize=3, **kwargs)
-        ys = [o[0] for o in out]
-        draws = [o[1].detach() for o in out]
-        (g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ys)), [w])
-        return [y.detach() for y in ys], draws, g, torch.rand(())
-
-    t_ys, t_draws, t_g, t_next = run("threads")
-    p_ys, p_draws, p_g, p_next = run(ex, remat=remat)
-    _close(p_draws, t_draws)
-    _close(p_ys, t_ys)
-    torch.testing.assert_close(p_g, t_g)
-    torch.testing.assert_close(p_next, t_next)  # the generator left where threads leave it
-    # The gradient is the loop's with those draws.
-    ref = _noisy_reference(w, xs, p_draws)
-    _close(p_ys, [r.detach() for r in ref])
-    (r_g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref)), [w])
-    torch.testing.assert_close(p_g, r_g)
-    # Draws differ from element to element (each has its own generator).
-    assert not torch.equal(p_draws[0][0], p_draws[1][0])
-
-
 def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
     """Under no_grad too, each element draws from its own seed: the same values as threads and
     serial, and the same in every run with the same seed (a worker did not seed there)."""
@@ -742,7 +589,7 @@ def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
 def test_random_tsum_matches_threads(ex):
     xs = ragged(grad=False)
     w = torch.randn(4, requires_grad=True)
-    f0 = _noisy(w)
+    f0 = noisy(w)
     f = lambda x: f0(x)[0]  # noqa: E731
 
     def run(executor: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -758,61 +605,6 @@ def test_random_tsum_matches_threads(ex):
 
 
 # -- errors -----------------------------------------------------------------------------------
-
-
-class _LocalError(KeyError):
-    """An exception class of this module: it travels by value, and must come back as itself."""
-
-
-@pytest.mark.parametrize("error", [Boom, _LocalError], ids=["imported", "by-value"])
-def test_exception_in_forward_names_the_element(ex, error):
-    xs = ragged()
-
-    def f(i: int, x: torch.Tensor) -> torch.Tensor:
-        if i == 3:
-            raise error("bad bag")
-        return x.sum()
-
-    for api in (gradmap.tmap, gradmap.tsum):
-        with pytest.raises(error, match="bad bag") as info:
-            api(f, range(10), xs, executor=ex, chunksize=2)
-        assert type(info.value) is error
-        assert any("element 3" in note for note in info.value.__notes__), notes(info.value)
-        del info
-    _works(ex)
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.fail:
-            raise ArithmeticError("bad backward")
-        return g, None
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_exception_in_backward_names_the_element(ex, api):
-    xs = ragged()
-    f = lambda i, x: _FailingBackward.apply(x, i == 4).sum()  # noqa: E731
-    if api == "tmap":
-        loss = torch.stack(gradmap.tmap(f, range(10), xs, executor=ex, chunksize=3)).sum()
-        with pytest.raises(ArithmeticError, match="bad backward") as info:
-            loss.backward()
-    else:
-        # tsum pulls a chunk of losses back during the forward: the error may come from either.
-        with pytest.raises(ArithmeticError, match="bad backward") as info:
-            gradmap.tsum(f, range(10), xs, executor=ex, chunksize=3).backward()
-    assert type(info.value) is ArithmeticError
-    assert any("backward pass of element 4 (of 10)" in n for n in info.value.__notes__), notes(
-        info.value
-    )
-    del info
-    _works(ex)
 
 
 def test_unpicklable_f_says_f_must_be_picklable(ex):
