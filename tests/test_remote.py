@@ -28,7 +28,7 @@ import gradmap
 from gradmap._process import _local
 
 import support
-from support import Boom, Setup, loop, noisy, notes, ragged
+from support import Boom, Setup, close, loop, noisy, notes, ragged, works
 
 # Ray starts its processes with subprocess (fork + exec at once), which JAX, if an earlier test
 # module imported it, warns about; nothing runs between the fork and the exec.
@@ -132,41 +132,10 @@ def _on(ex: Any, **kwargs: Any) -> Any:
     return lambda f, *xs: gradmap.tmap(f, *xs, executor=ex, chunksize=2, **kwargs)
 
 
-def _close(got: Any, ref: Any) -> None:
-    assert len(got) == len(ref)
-    for g, r in zip(got, ref):
-        if r is None:
-            assert g is None
-        else:
-            torch.testing.assert_close(g, r)
-
-
 def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
-
-
-def _loop_sum(f: Any, *xs: Any) -> Any:
-    results = loop(f, *xs)
-    total = results[0]
-    for y in results[1:]:
-        total = torch.utils._pytree.tree_map(torch.add, total, y)
-    return total
-
-
-def _works(ex: Any) -> None:
-    """A map after an error, a kill or a restart: the loop's results and gradients."""
-    w = torch.randn(3, requires_grad=True)
-    xs = torch.randn(5, 3)
-    f = lambda x: torch.tanh(x * w).sum()  # noqa: E731
-    ys = gradmap.tmap(f, xs, executor=ex, chunksize=1)
-    ref = loop(f, xs)
-    _close(ys, ref)
-    _close(
-        torch.autograd.grad(torch.stack(ys).sum(), [w]),
-        torch.autograd.grad(torch.stack(ref).sum(), [w]),
-    )
 
 
 # -- results and gradients: the loop's and the threads' ---------------------------------------
@@ -177,8 +146,8 @@ def test_gradients_match_loop_and_threads(remote, ex):
     ref, ref_y = s.grads(loop)
     got, got_y = s.grads(_on(ex))
     threads, _ = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="threads", chunksize=2))
-    _close(got_y, ref_y)
-    _close(got, ref)
+    close(got_y, ref_y)
+    close(got, ref)
     # One intra-op thread and the same chunks, summed in the same order: the threads' bits.
     _bitwise(got, threads)
     remote.no_state_left()
@@ -205,10 +174,10 @@ def test_remat_matches_loop_and_stored_bitwise(remote, ex, api):
         loss = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
     ref_ys = loop(s.f(), s.xs)
     if api == "tmap":
-        _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
+        close([y.detach() for y in ys], [y.detach() for y in ref_ys])
     ref = sum((i + 1) * y for i, y in enumerate(ref_ys)) if api == "tmap" else sum(ref_ys)
     torch.testing.assert_close(loss, ref)
-    _close(torch.autograd.grad(loss, s.tensors()), torch.autograd.grad(ref, s.tensors()))
+    close(torch.autograd.grad(loss, s.tensors()), torch.autograd.grad(ref, s.tensors()))
     if api == "tmap":
         # The recompute gives the stored graph's bits.
         s = Setup()
@@ -239,7 +208,7 @@ def test_pytree_results_and_objects(ex):
     def loss(out: list[Any]) -> torch.Tensor:
         return sum(o[0] * 2 + o[1]["max"] + (o[1]["mean"] * torch.arange(4.0)).sum() for o in out)
 
-    _close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
+    close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
 
     # A tensor's rows and a list of strings as the iterables; a dict holding a tuple.
     x = torch.randn(6, 3, requires_grad=True)
@@ -283,13 +252,13 @@ def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
 
     t_ys, t_draws, t_g, t_next = run("threads")
     p_ys, p_draws, p_g, p_next = run(ex, remat=remat)
-    _close(p_draws, t_draws)
-    _close(p_ys, t_ys)
+    close(p_draws, t_draws)
+    close(p_ys, t_ys)
     torch.testing.assert_close(p_g, t_g)
     torch.testing.assert_close(p_next, t_next)  # the generator left where threads leave it
     # The gradient is the loop's with those draws.
     ref = _noisy_reference(w, xs, p_draws)
-    _close(p_ys, [r.detach() for r in ref])
+    close(p_ys, [r.detach() for r in ref])
     (r_g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref)), [w])
     torch.testing.assert_close(p_g, r_g)
     # Draws differ from element to element (each has its own generator).
@@ -326,7 +295,7 @@ def test_no_grad_and_default_dtype_reach_workers(remote, ex, api):
         if api == "tmap":
             got = gradmap.tmap(f, s.xs, executor=ex, chunksize=2)
             assert not any(y.requires_grad for y in got)
-            _close(got, ref)
+            close(got, ref)
         else:
             got = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
             assert not got.requires_grad
@@ -376,7 +345,7 @@ def test_exception_in_forward_names_the_element(remote, ex, error):
         assert any("element 3 (of 10)" in note for note in info.value.__notes__), notes(info.value)
         del info
     remote.no_state_left()
-    _works(ex)
+    works(ex)
 
 
 class _FailingBackward(torch.autograd.Function):
@@ -411,7 +380,7 @@ def test_exception_in_backward_names_the_element(remote, ex, api):
     )
     del info  # the traceback's frames hold the graph
     remote.no_state_left()
-    _works(ex)
+    works(ex)
 
 
 # -- backward: twice, create_graph ------------------------------------------------------------
@@ -428,8 +397,8 @@ def test_retain_graph_then_second_backward(remote, ex, api):
     ref = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), s.tensors())
     g1 = torch.autograd.grad(loss, s.tensors(), retain_graph=True)
     g2 = torch.autograd.grad(loss, s.tensors())
-    _close(g1, ref)
-    _close(g2, ref)
+    close(g1, ref)
+    close(g2, ref)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
     del loss
@@ -463,7 +432,7 @@ def test_create_graph_is_refused_naming_threads(ex, api):
         torch.autograd.grad(loss, [w], create_graph=True)
     assert "executor='threads'" in str(info.value)
     del loss, info
-    _works(ex)
+    works(ex)
 
 
 # -- state on the workers ---------------------------------------------------------------------
