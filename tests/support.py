@@ -73,6 +73,50 @@ class Setup:
         return list(torch.autograd.grad(loss, self.tensors())), [y.detach() for y in ys]
 
 
+def noisy(w: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """An ``f`` that draws noise and a mask: its loss, and the draws (noise, then mask)."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn(x.shape)
+        keep = (torch.rand(x.shape[0], 1) > 0.3).to(x.dtype)
+        return ((x * w + noise) ** 2 * keep).sum(), torch.cat([noise, keep], 1)
+
+    return f
+
+
+def close(got: Any, ref: Any) -> None:
+    """``got`` and ``ref`` hold close tensors, one by one (``None`` where ``ref`` has ``None``)."""
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r)
+
+
+def loop_sum(f: Callable[..., Any], *iterables: Any) -> Any:
+    """The reference of ``tsum``: the loop's results summed in order (pytrees leaf by leaf)."""
+    results = loop(f, *iterables)
+    total = results[0]
+    for y in results[1:]:
+        total = torch.utils._pytree.tree_map(torch.add, total, y)
+    return total
+
+
+def works(executor: Any) -> None:
+    """A map after an error, a kill or a restart: the loop's results and gradients."""
+    w = torch.randn(3, requires_grad=True)
+    xs = torch.randn(5, 3)
+    f = lambda x: torch.tanh(x * w).sum()  # noqa: E731
+    ys = gradmap.tmap(f, xs, executor=executor, chunksize=1)
+    ref = loop(f, xs)
+    close(ys, ref)
+    close(
+        torch.autograd.grad(torch.stack(ys).sum(), [w]),
+        torch.autograd.grad(torch.stack(ref).sum(), [w]),
+    )
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

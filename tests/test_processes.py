@@ -1,6 +1,9 @@
 """The process executor (``executor="processes"``, ``gradmap.ProcessExecutor``): the plain loop's
 results and gradients from worker processes; shared memory, random numbers, errors, dead workers.
 
+What every remote executor must do (Ray's too) is tested in ``test_remote.py``; here, what is the
+process executor's own.
+
 One executor of 2 workers serves the whole module (a worker takes about 1.5 s to start).
 """
 
@@ -25,7 +28,20 @@ import gradmap
 from gradmap._process import _local
 
 import support
-from support import Boom, Killer, Setup, SlowBackward, deadline, loop, mark, notes, ragged
+from support import (
+    Killer,
+    Setup,
+    SlowBackward,
+    close,
+    deadline,
+    loop,
+    loop_sum,
+    mark,
+    noisy,
+    notes,
+    ragged,
+    works,
+)
 
 #: Every worker pid a test saw (killed ones included): none may outlive ``shutdown``.
 _SEEN_PIDS: set[int] = set()
@@ -57,45 +73,8 @@ def _pids(ex: Any) -> list[int]:
     return pids
 
 
-def _loop_sum(f: Any, *xs: Any) -> Any:
-    results = loop(f, *xs)
-    total = results[0]
-    for y in results[1:]:
-        total = torch.utils._pytree.tree_map(torch.add, total, y)
-    return total
-
-
 def _on(ex: Any, **kwargs: Any) -> Any:
     return lambda f, *xs: gradmap.tmap(f, *xs, executor=ex, chunksize=2, **kwargs)
-
-
-def _close(got: Any, ref: Any) -> None:
-    assert len(got) == len(ref)
-    for g, r in zip(got, ref):
-        if r is None:
-            assert g is None
-        else:
-            torch.testing.assert_close(g, r)
-
-
-def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-
-
-def _works(ex: Any) -> None:
-    """A map after an error, a kill or a restart: the loop's results and gradients."""
-    w = torch.randn(3, requires_grad=True)
-    xs = torch.randn(5, 3)
-    f = lambda x: torch.tanh(x * w).sum()  # noqa: E731
-    ys = gradmap.tmap(f, xs, executor=ex, chunksize=1)
-    ref = loop(f, xs)
-    _close(ys, ref)
-    _close(
-        torch.autograd.grad(torch.stack(ys).sum(), [w]),
-        torch.autograd.grad(torch.stack(ref).sum(), [w]),
-    )
 
 
 # -- results and gradients: the loop's --------------------------------------------------------
@@ -175,8 +154,8 @@ def test_maps_from_two_threads_at_once(ex):
         try:
             for _ in range(3):
                 got, got_y = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor=ex, chunksize=2))
-                _close(got, ref)
-                _close(got_y, ref_y)
+                close(got, ref)
+                close(got_y, ref_y)
         except BaseException as exc:
             errors.append(exc)
 
@@ -198,28 +177,9 @@ def test_mlp_on_ragged_bags_matches_loop_with_backward(ex):
         t.grad = None
     ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
     assert all(y.requires_grad for y in ys)
-    _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
+    close([y.detach() for y in ys], [y.detach() for y in ref_ys])
     sum((i + 1) * y for i, y in enumerate(ys)).backward()
-    _close([t.grad for t in s.tensors()], ref)
-
-
-def test_mlp_matches_loop_with_autograd_grad(ex):
-    s = Setup()
-    ref, ref_y = s.grads(loop)
-    got, got_y = s.grads(_on(ex))
-    _close(got_y, ref_y)
-    _close(got, ref)
-
-
-def test_deterministic_across_runs_workers_and_threads(ex):
-    s = Setup()
-    first, _ = s.grads(_on(ex))
-    second, _ = s.grads(_on(ex))
-    one_worker, _ = s.grads(_on(gradmap.ProcessExecutor(workers=1, timeout=120)))
-    threads, _ = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="threads", chunksize=2))
-    _bitwise(first, second)
-    _bitwise(first, one_worker)
-    _bitwise(first, threads)
+    close([t.grad for t in s.tensors()], ref)
 
 
 def test_closure_tensor_and_non_leaf_made_before_the_call(ex):
@@ -234,11 +194,11 @@ def test_closure_tensor_and_non_leaf_made_before_the_call(ex):
 
     ref = loop(make(), xs)
     got = gradmap.tmap(make(), xs, executor=ex, chunksize=2)
-    _close(got, ref)
+    close(got, ref)
     g = torch.autograd.grad(torch.stack(got).pow(2).sum(), [w, c])
     r = torch.autograd.grad(torch.stack(ref).pow(2).sum(), [w, c])
     assert all(t.abs().sum() > 0 for t in g)
-    _close(g, r)
+    close(g, r)
 
 
 def test_items_requiring_grad_leaf_and_non_leaf(ex):
@@ -248,10 +208,10 @@ def test_items_requiring_grad_leaf_and_non_leaf(ex):
     f = lambda x, v: (x * w).sum() * v.sin().sum()  # noqa: E731
     ref = loop(f, x0 * 2, leaves)
     got = gradmap.tmap(f, x0 * 2, leaves, executor=ex, chunksize=2)  # non-leaf rows
-    _close(got, ref)
+    close(got, ref)
     weights = torch.arange(1.0, 7.0)
     inputs = [x0, w, *leaves]
-    _close(
+    close(
         torch.autograd.grad((torch.stack(got) * weights).sum(), inputs),
         torch.autograd.grad((torch.stack(ref) * weights).sum(), inputs),
     )
@@ -271,30 +231,7 @@ def test_one_tensor_as_item_closure_and_result(ex):
         return sum((i + 1) * (a.sum() + b + c.prod()) for i, (a, b, c) in enumerate(out))
 
     torch.testing.assert_close(loss(got), loss(ref))
-    _close(torch.autograd.grad(loss(got), [w]), torch.autograd.grad(loss(ref), [w]))
-
-
-def test_pytree_results_tuple_and_dict(ex):
-    xs = ragged(n=7)
-    w = torch.randn(4, requires_grad=True)
-
-    def f(x: torch.Tensor) -> tuple[Any, ...]:
-        y = x * w
-        return y.sum(), {"max": y.max(), "rows": x.shape[0], "mean": y.mean(0)}, "tag"
-
-    ref = loop(f, xs)
-    got = gradmap.tmap(f, xs, executor=ex, chunksize=3)
-    assert [g[2] for g in got] == ["tag"] * 7
-    assert [g[1]["rows"] for g in got] == [r[1]["rows"] for r in ref]
-    for g, r in zip(got, ref):
-        torch.testing.assert_close(g[0], r[0])
-        torch.testing.assert_close(g[1]["max"], r[1]["max"])
-        torch.testing.assert_close(g[1]["mean"], r[1]["mean"])
-
-    def loss(out: list[Any]) -> torch.Tensor:
-        return sum(o[0] * 2 + o[1]["max"] + (o[1]["mean"] * torch.arange(4.0)).sum() for o in out)
-
-    _close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
+    close(torch.autograd.grad(loss(got), [w]), torch.autograd.grad(loss(ref), [w]))
 
 
 def test_results_not_requiring_grad(ex):
@@ -306,13 +243,13 @@ def test_results_not_requiring_grad(ex):
     ref = loop(f, xs)
     for g, r in zip(got, ref):
         assert g[0].requires_grad and not g[1].requires_grad and not g[2].requires_grad
-        _close(g, r)
+        close(g, r)
     # Nothing requires grad at all (grad mode on): plain tensors come back.
     c = torch.randn(3)
     h = lambda x: (x * c).sum()  # noqa: E731
     got = gradmap.tmap(h, xs, executor=ex, chunksize=2)
     assert not any(y.requires_grad for y in got)
-    _close(got, loop(h, xs))
+    close(got, loop(h, xs))
 
 
 def test_autograd_grad_with_inputs(ex):
@@ -320,7 +257,7 @@ def test_autograd_grad_with_inputs(ex):
     ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
     ref = loop(s.f(), s.xs)
     some = [s.w, s.xs[3], s.a]
-    _close(
+    close(
         torch.autograd.grad(outputs=torch.stack(ys).sum(), inputs=some),
         torch.autograd.grad(outputs=torch.stack(ref).sum(), inputs=some),
     )
@@ -330,39 +267,6 @@ def test_autograd_grad_with_inputs(ex):
     (r,) = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), [s.w])
     torch.testing.assert_close(s.w.grad, r)
     assert s.a.grad is None and all(p.grad is None for p in s.model.parameters())
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_retain_graph_then_second_backward(ex, api):
-    s = Setup()
-    f = s.f()
-    if api == "tmap":
-        loss = torch.stack(gradmap.tmap(f, s.xs, executor=ex, chunksize=3)).sum()
-    else:
-        loss = gradmap.tsum(f, s.xs, executor=ex, chunksize=3)
-    ref = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), s.tensors())
-    g1 = torch.autograd.grad(loss, s.tensors(), retain_graph=True)
-    g2 = torch.autograd.grad(loss, s.tensors())
-    _close(g1, ref)
-    _close(g2, ref)
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        loss.backward()
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_no_grad_forward(ex, api):
-    s = Setup()
-    f = s.f()
-    with torch.no_grad():
-        ref = loop(f, s.xs)
-        if api == "tmap":
-            got = gradmap.tmap(f, s.xs, executor=ex, chunksize=2)
-            assert not any(y.requires_grad for y in got)
-            _close(got, ref)
-        else:
-            got = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
-            assert not got.requires_grad
-            torch.testing.assert_close(got, torch.stack(ref).sum())
 
 
 def _stored(ex: Any) -> int:
@@ -408,7 +312,7 @@ def test_workers_keep_a_map_only_while_its_graph_waits(ex):
             chunksize=2,
         )
     assert _stored(ex) == 0
-    _works(ex)
+    works(ex)
 
 
 def _raise(exc: BaseException) -> Any:
@@ -421,9 +325,9 @@ def _raise(exc: BaseException) -> Any:
 def test_tsum_of_losses_matches_loop(ex):
     s = Setup()
     total = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2)
-    ref = _loop_sum(s.f(), s.xs)
+    ref = loop_sum(s.f(), s.xs)
     torch.testing.assert_close(total, ref)
-    _close(torch.autograd.grad(total * 3, s.tensors()), torch.autograd.grad(ref * 3, s.tensors()))
+    close(torch.autograd.grad(total * 3, s.tensors()), torch.autograd.grad(ref * 3, s.tensors()))
 
 
 def test_tsum_of_vectors(ex):
@@ -435,12 +339,12 @@ def test_tsum_of_vectors(ex):
         return lambda x: torch.tanh(model[0](x * w + b)).mean(0)  # a vector of 8
 
     total = gradmap.tsum(make(), s.xs, executor=ex, chunksize=3)
-    ref = _loop_sum(make(), s.xs)
+    ref = loop_sum(make(), s.xs)
     assert total.shape == (8,)
     torch.testing.assert_close(total, ref)
     weights = torch.linspace(-1, 2, 8)
     inputs = [*model[0].parameters(), s.w, s.a, *s.xs]
-    _close(
+    close(
         torch.autograd.grad((total * weights).sum(), inputs),
         torch.autograd.grad((ref * weights).sum(), inputs),
     )
@@ -455,7 +359,7 @@ def test_tsum_of_tuples(ex):
         return lambda x: (f0(x), (x * w).sum(0), {"sq": (x**2).sum()})
 
     total = gradmap.tsum(make(), s.xs, executor=ex, chunksize=3)
-    ref = _loop_sum(make(), s.xs)
+    ref = loop_sum(make(), s.xs)
     assert isinstance(total, tuple) and len(total) == 3
     torch.testing.assert_close(total[0], ref[0])
     torch.testing.assert_close(total[1], ref[1])
@@ -464,7 +368,7 @@ def test_tsum_of_tuples(ex):
     def loss(t: Any) -> torch.Tensor:
         return t[0] + (t[1] * torch.arange(4.0)).sum() + 0.5 * t[2]["sq"]
 
-    _close(
+    close(
         torch.autograd.grad(loss(total), s.tensors()), torch.autograd.grad(loss(ref), s.tensors())
     )
 
@@ -474,9 +378,9 @@ def test_tsum_with_items_requiring_grad(ex):
     others = [torch.randn(3, requires_grad=True) for _ in range(7)]
     f = lambda x, o: (x * o).sum().sin()  # noqa: E731
     total = gradmap.tsum(f, torch.exp(x0), others, executor=ex, chunksize=2)  # non-leaf rows
-    ref = _loop_sum(f, torch.exp(x0), others)
+    ref = loop_sum(f, torch.exp(x0), others)
     torch.testing.assert_close(total, ref)
-    _close(
+    close(
         torch.autograd.grad(total, [x0, *others]),
         torch.autograd.grad(ref, [x0, *others]),
     )
@@ -513,38 +417,6 @@ def test_gradcheck_tsum(ex, vector):
 
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_create_graph_backward_raises_naming_threads(ex, api):
-    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    xs = torch.randn(4, 3, dtype=torch.float64)
-    f = lambda x: (x * w).pow(2).sum()  # noqa: E731
-    if api == "tmap":
-        loss = torch.stack(gradmap.tmap(f, xs, executor=ex, chunksize=2)).sum()
-    else:
-        loss = gradmap.tsum(f, xs, executor=ex, chunksize=2)
-    with pytest.raises(NotImplementedError) as info:
-        torch.autograd.grad(loss, [w], create_graph=True)
-    assert "executor='threads'" in str(info.value)
-    del loss, info
-    _works(ex)
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_remat_matches_loop(ex, api):
-    s = Setup()
-    if api == "tmap":
-        ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
-        loss = sum((i + 1) * y for i, y in enumerate(ys))
-    else:
-        loss = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
-    ref_ys = loop(s.f(), s.xs)
-    if api == "tmap":
-        _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
-    ref = sum((i + 1) * y for i, y in enumerate(ref_ys)) if api == "tmap" else sum(ref_ys)
-    torch.testing.assert_close(loss, ref)
-    _close(torch.autograd.grad(loss, s.tensors()), torch.autograd.grad(ref, s.tensors()))
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_remat_applies_buffer_updates_once(ex, api):
     """BatchNorm in train mode counts its batches in a buffer, which workers update in shared
     memory: the forward counts each element once, as the loop does, and the recompute does
@@ -575,17 +447,17 @@ def test_optimizer_step_in_place_is_seen(ex):
     for _ in range(3):
         opt.zero_grad()
         loss = gradmap.tsum(f, xs, executor=ex, chunksize=2)
-        torch.testing.assert_close(loss, _loop_sum(f, xs))
+        torch.testing.assert_close(loss, loop_sum(f, xs))
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
-        ref = torch.autograd.grad(_loop_sum(f, xs), list(model.parameters()))
-        _close(grads, ref)
+        ref = torch.autograd.grad(loop_sum(f, xs), list(model.parameters()))
+        close(grads, ref)
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     # tmap too, after the steps
     ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
-    _close([y.detach() for y in ys], [y.detach() for y in loop(f, xs)])
+    close([y.detach() for y in ys], [y.detach() for y in loop(f, xs)])
 
 
 def test_swapped_data_and_in_place_constants_are_seen(ex):
@@ -597,8 +469,8 @@ def test_swapped_data_and_in_place_constants_are_seen(ex):
     def check() -> None:
         ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
         ref = loop(f, xs)
-        _close([y.detach() for y in ys], [y.detach() for y in ref])
-        _close(
+        close([y.detach() for y in ys], [y.detach() for y in ref])
+        close(
             torch.autograd.grad(torch.stack(ys).sum(), list(lin.parameters())),
             torch.autograd.grad(torch.stack(ref).sum(), list(lin.parameters())),
         )
@@ -626,7 +498,7 @@ def test_changed_python_closure_is_seen(ex):
     for scale in (1.0, 5.0, -2.0):
         state["scale"] = scale
         got = gradmap.tmap(f, xs, executor=ex, chunksize=2)
-        _close([y.detach() for y in got], [y.detach() for y in loop(f, xs)])
+        close([y.detach() for y in got], [y.detach() for y in loop(f, xs)])
 
 
 def test_items_in_shared_memory_travel_by_reference(ex):
@@ -645,12 +517,12 @@ def test_items_in_shared_memory_travel_by_reference(ex):
     ref = torch.autograd.grad(torch.stack(loop(f, xs)).sum(), [w])
     for _ in range(2):  # the second call: the workers hold the storages already
         got = torch.autograd.grad(torch.stack(gradmap.tmap(f, xs, executor=ex)).sum(), [w])
-        _close(got, ref)
+        close(got, ref)
     with torch.no_grad():
         xs[0].mul_(2.0)  # an in-place change of a shared item reaches the next call
     ref = torch.autograd.grad(torch.stack(loop(f, xs)).sum(), [w])
     got = torch.autograd.grad(gradmap.tsum(f, xs, executor=ex), [w])
-    _close(got, ref)
+    close(got, ref)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
@@ -679,49 +551,6 @@ def test_fresh_closure_tensors_do_not_accumulate(ex):
 # -- random numbers ---------------------------------------------------------------------------
 
 
-def _noisy(w: torch.Tensor) -> Any:
-    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = torch.randn(x.shape)
-        keep = (torch.rand(x.shape[0], 1) > 0.3).to(x.dtype)
-        return ((x * w + noise) ** 2 * keep).sum(), torch.cat([noise, keep], 1)
-
-    return f
-
-
-def _noisy_reference(w: torch.Tensor, xs: list[torch.Tensor], draws: list[torch.Tensor]) -> Any:
-    # The loop with the same draws: f's formula with the noise and mask each element drew.
-    return [((x * w + d[:, :-1]) ** 2 * d[:, -1:]).sum() for x, d in zip(xs, draws)]
-
-
-@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
-def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
-    xs = ragged(grad=False)
-    w = torch.randn(4, requires_grad=True)
-    f = _noisy(w)
-
-    def run(executor: Any, **kwargs: Any) -> Any:
-        torch.manual_seed(1)
-        out = gradmap.tmap(f, xs, executor=executor, chunksize=3, **kwargs)
-        ys = [o[0] for o in out]
-        draws = [o[1].detach() for o in out]
-        (g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ys)), [w])
-        return [y.detach() for y in ys], draws, g, torch.rand(())
-
-    t_ys, t_draws, t_g, t_next = run("threads")
-    p_ys, p_draws, p_g, p_next = run(ex, remat=remat)
-    _close(p_draws, t_draws)
-    _close(p_ys, t_ys)
-    torch.testing.assert_close(p_g, t_g)
-    torch.testing.assert_close(p_next, t_next)  # the generator left where threads leave it
-    # The gradient is the loop's with those draws.
-    ref = _noisy_reference(w, xs, p_draws)
-    _close(p_ys, [r.detach() for r in ref])
-    (r_g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref)), [w])
-    torch.testing.assert_close(p_g, r_g)
-    # Draws differ from element to element (each has its own generator).
-    assert not torch.equal(p_draws[0][0], p_draws[1][0])
-
-
 def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
     """Under no_grad too, each element draws from its own seed: the same values as threads and
     serial, and the same in every run with the same seed (a worker did not seed there)."""
@@ -742,7 +571,7 @@ def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
 def test_random_tsum_matches_threads(ex):
     xs = ragged(grad=False)
     w = torch.randn(4, requires_grad=True)
-    f0 = _noisy(w)
+    f0 = noisy(w)
     f = lambda x: f0(x)[0]  # noqa: E731
 
     def run(executor: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -760,61 +589,6 @@ def test_random_tsum_matches_threads(ex):
 # -- errors -----------------------------------------------------------------------------------
 
 
-class _LocalError(KeyError):
-    """An exception class of this module: it travels by value, and must come back as itself."""
-
-
-@pytest.mark.parametrize("error", [Boom, _LocalError], ids=["imported", "by-value"])
-def test_exception_in_forward_names_the_element(ex, error):
-    xs = ragged()
-
-    def f(i: int, x: torch.Tensor) -> torch.Tensor:
-        if i == 3:
-            raise error("bad bag")
-        return x.sum()
-
-    for api in (gradmap.tmap, gradmap.tsum):
-        with pytest.raises(error, match="bad bag") as info:
-            api(f, range(10), xs, executor=ex, chunksize=2)
-        assert type(info.value) is error
-        assert any("element 3" in note for note in info.value.__notes__), notes(info.value)
-        del info
-    _works(ex)
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.fail:
-            raise ArithmeticError("bad backward")
-        return g, None
-
-
-@pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_exception_in_backward_names_the_element(ex, api):
-    xs = ragged()
-    f = lambda i, x: _FailingBackward.apply(x, i == 4).sum()  # noqa: E731
-    if api == "tmap":
-        loss = torch.stack(gradmap.tmap(f, range(10), xs, executor=ex, chunksize=3)).sum()
-        with pytest.raises(ArithmeticError, match="bad backward") as info:
-            loss.backward()
-    else:
-        # tsum pulls a chunk of losses back during the forward: the error may come from either.
-        with pytest.raises(ArithmeticError, match="bad backward") as info:
-            gradmap.tsum(f, range(10), xs, executor=ex, chunksize=3).backward()
-    assert type(info.value) is ArithmeticError
-    assert any("backward pass of element 4 (of 10)" in n for n in info.value.__notes__), notes(
-        info.value
-    )
-    del info
-    _works(ex)
-
-
 def test_unpicklable_f_says_f_must_be_picklable(ex):
     lock = threading.Lock()
     w = torch.randn(3, requires_grad=True)
@@ -829,7 +603,7 @@ def test_unpicklable_f_says_f_must_be_picklable(ex):
         text = str(info.value) + "\n" + notes(info.value)
         assert "f must be picklable" in text, text
         del info
-    _works(ex)
+    works(ex)
 
 
 def test_unpicklable_item_names_the_element(ex):
@@ -843,7 +617,7 @@ def test_unpicklable_item_names_the_element(ex):
         text = str(info.value) + "\n" + notes(info.value)
         assert "element 5" in text, text
         del info
-    _works(ex)
+    works(ex)
 
 
 # -- dead workers -----------------------------------------------------------------------------
@@ -883,17 +657,17 @@ def test_worker_killed_while_running(ex, tmp_path, phase):
     f = _lossy(s, *markers)
     try:
         ys = gradmap.tmap(f, idx, s.xs, executor=ex, chunksize=2)
-        _close([y.detach() for y in ys], [y.detach() for y in ref_ys])
+        close([y.detach() for y in ys], [y.detach() for y in ref_ys])
         got = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ys)), s.tensors())
     except Exception as exc:  # a clear error is allowed; a wrong gradient or a hang is not
         assert _died(exc), f"{type(exc).__name__}: {exc}\n{notes(exc)}"
     else:
-        _close(got, ref)
+        close(got, ref)
     finally:
         killer.join()
     assert not killer.strangers, killer.strangers
     assert len(killer.killed) == 1
-    _works(ex)
+    works(ex)
     after = _pids(ex)  # the killed worker was replaced by a new process
     assert killer.killed[0] not in after and len(after) == 2
 
@@ -920,10 +694,10 @@ def test_worker_killed_between_forward_and_backward(ex, victims):
     except Exception as exc:  # a clear error is allowed; a wrong gradient or a hang is not
         assert _died(exc), f"{type(exc).__name__}: {exc}\n{notes(exc)}"
     else:
-        _close(got, ref)
-    _close([y.detach() for y in ys], ref_y)
+        close(got, ref)
+    close([y.detach() for y in ys], ref_y)
     del ys, loss, out
-    _works(ex)
+    works(ex)
     after = _pids(ex)
     assert not set(killed) & set(after), f"killed {killed}; after: {after}"
 
@@ -934,7 +708,7 @@ def test_worker_killed_between_forward_and_backward_tsum_vectors(ex):
     model, w = s.model, s.w
     f = lambda x: torch.tanh(model[0](x * w)).mean(0)  # noqa: E731  (kept on the workers)
     total = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
-    ref = _loop_sum(f, s.xs)
+    ref = loop_sum(f, s.xs)
     victim = _pids(ex)[1]
     os.kill(victim, signal.SIGKILL)
     weights = torch.linspace(-1, 2, 8)
@@ -944,8 +718,8 @@ def test_worker_killed_between_forward_and_backward_tsum_vectors(ex):
     except Exception as exc:
         assert _died(exc), f"{type(exc).__name__}: {exc}\n{notes(exc)}"
     else:
-        _close(got, torch.autograd.grad((ref * weights).sum(), inputs))
-    _works(ex)
+        close(got, torch.autograd.grad((ref * weights).sum(), inputs))
+    works(ex)
     assert victim not in _pids(ex)
 
 
@@ -986,10 +760,10 @@ def test_executor_name_processes(ex):
     s = Setup()
     ref, ref_y = s.grads(loop)
     got, got_y = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="processes", chunksize=2))
-    _close(got_y, ref_y)
-    _close(got, ref)
+    close(got_y, ref_y)
+    close(got, ref)
     total = gradmap.tsum(s.f(), s.xs, executor="processes", chunksize=2)
-    torch.testing.assert_close(total, _loop_sum(s.f(), s.xs))
+    torch.testing.assert_close(total, loop_sum(s.f(), s.xs))
     # Not a tiny map (which would run in the caller alone): 5 ms per element.
     where = lambda i: (time.sleep(0.005), os.getpid())[1]  # noqa: E731
     pids = set(gradmap.tmap(where, range(4), executor="processes", chunksize=1))
@@ -1026,7 +800,7 @@ def test_nested_tmap_runs_on_the_worker(ex, inner):
         assert set(where) == {pid}  # the inner map ran in the worker itself
         torch.testing.assert_close(y, r)
     loss = lambda out: sum((i + 1) * o[0] for i, o in enumerate(out))  # noqa: E731
-    _close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
+    close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
 
 
 # -- shutdown: last, no process left behind ---------------------------------------------------
@@ -1050,7 +824,7 @@ def test_shutdown_leaves_no_process_and_restarts(ex):
     left = [pid for pid in sorted(_SEEN_PIDS) if not _gone(pid)]
     assert not left, f"worker processes alive (or unreaped) after shutdown: {left}"
     # The next map starts new workers.
-    _works(ex)
+    works(ex)
     fresh = _pids(ex)
     assert not set(fresh) & set(pids)
     ex.shutdown()

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 import gradmap
 
-from support import Boom, gradmap_notes
+from support import Boom, close, gradmap_notes
 
 pytestmark = pytest.mark.usefixtures("both_walks")
 
@@ -28,15 +28,6 @@ def _grads(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
     return list(torch.autograd.grad(loss, wrt, allow_unused=True))
 
 
-def _close(got: list[Tensor | None], ref: list[Tensor | None]) -> None:
-    assert len(got) == len(ref)
-    for g, r in zip(got, ref):
-        if r is None:
-            assert g is None
-        else:
-            torch.testing.assert_close(g, r)
-
-
 def test_sum_of_losses_matches_loop(tmap_kwargs):
     model, bags = _model_and_bags()
     h = torch.randn(4, dtype=F64, requires_grad=True)
@@ -51,7 +42,7 @@ def test_sum_of_losses_matches_loop(tmap_kwargs):
     shift = h * 2
     loss = gradmap.tsum(f, bags, **tmap_kwargs)
     torch.testing.assert_close(loss, ref_loss)
-    _close(_grads(loss, wrt), ref)
+    close(_grads(loss, wrt), ref)
 
 
 def test_backward_accumulates_like_the_loop(tmap_kwargs):
@@ -96,7 +87,7 @@ def test_other_result_shapes_take_the_general_path(tmap_kwargs, kind):
         )
     ref = _grads(weigh(ref_total), wrt)
     got_total = gradmap.tsum(f, bags, **tmap_kwargs)
-    _close(_grads(weigh(got_total), wrt), ref)
+    close(_grads(weigh(got_total), wrt), ref)
 
 
 def test_gradcheck_and_gradgradcheck():
@@ -134,7 +125,7 @@ def test_remat_and_no_grad(tmap_kwargs):
     wrt = list(model.parameters())
     ref_loss = sum(f(b) for b in bags)
     ref = _grads(ref_loss, wrt)
-    _close(_grads(gradmap.tsum(f, bags, remat=True, **tmap_kwargs), wrt), ref)
+    close(_grads(gradmap.tsum(f, bags, remat=True, **tmap_kwargs), wrt), ref)
     with torch.no_grad():
         total = gradmap.tsum(f, bags, **tmap_kwargs)
     assert not total.requires_grad

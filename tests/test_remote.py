@@ -1,0 +1,472 @@
+"""The executors in other processes, both transports: worker processes (``executor="processes"``,
+``gradmap.ProcessExecutor``, with and without the caller running chunks) and Ray actors
+(``executor="ray"``, ``gradmap.RayExecutor`` on a real local Ray). The tests every remote executor
+must pass: the loop's and the threads' gradients, determinism, pytrees, random numbers, errors
+naming their element, graphs kept only while they wait, progress.
+
+What is particular to one transport stays in its own module (``test_processes.py``,
+``test_ray.py``); where the two differ in a detail here (an executor of one worker, what "no state
+left" means), the `Remote` the fixture gives says it.
+
+One executor per transport serves the whole module: a worker process takes about 1.5 s to start,
+and Ray (2 CPUs, so 2 actors) is started once, skipped where it is not installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+
+import gradmap
+from gradmap._process import _local
+
+import support
+from support import Boom, Setup, close, loop, noisy, notes, ragged, works
+
+# Ray starts its processes with subprocess (fork + exec at once), which JAX, if an earlier test
+# module imported it, warns about; nothing runs between the fork and the exec.
+_RAY_FORK_WARNING = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
+
+@dataclass
+class Remote:
+    """One transport: its executor and the details in which the transports differ."""
+
+    name: str
+    ex: Any
+    #: A new executor of this transport with one worker.
+    one_worker: Callable[[], Any]
+    #: Asserts that the workers hold no map's state (graphs awaiting a backward).
+    no_state_left: Callable[[], None]
+    #: Whether an error of a class the workers got by value (this module's, support's) comes back
+    #: as that class itself (Ray's own pickling sends it back as a copy).
+    own_error_classes: bool
+
+
+def _process_remote(helps: bool) -> Iterator[Remote]:
+    # Two worker processes either way; with the caller running chunks too (the default).
+    executor = gradmap.ProcessExecutor(workers=3 if helps else 2, caller_helps=helps, timeout=120)
+    # Maps of a few elements would run in the caller alone once measured; these tests need the
+    # workers.
+    tiny, _local.TINY = _local.TINY, 0.0
+
+    def no_state_left() -> None:
+        gc.collect()
+        assert sum(executor.stored_calls()) == 0
+
+    try:
+        yield Remote(
+            "caller-helps" if helps else "processes-only",
+            executor,
+            lambda: gradmap.ProcessExecutor(workers=1, timeout=120),
+            no_state_left,
+            own_error_classes=True,
+        )
+    finally:
+        _local.TINY = tiny
+        executor.shutdown()
+
+
+def _ray_remote() -> Iterator[Remote]:
+    ray = pytest.importorskip("ray")
+    from gradmap._ray import RayExecutor
+    from gradmap._ray._cluster import ensure_connected
+
+    started = not ray.is_initialized()
+    ensure_connected(None, {"num_cpus": 2})
+    executor = RayExecutor(timeout=120)
+
+    def no_state_left() -> None:
+        gc.collect()
+        assert executor.stored_calls() == [0] * len(executor.actors())
+
+    try:
+        yield Remote(
+            "ray",
+            executor,
+            lambda: RayExecutor(workers=1),
+            no_state_left,
+            own_error_classes=False,
+        )
+    finally:
+        executor.shutdown()
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "caller-helps",
+        "processes-only",
+        pytest.param("ray", marks=_RAY_FORK_WARNING),
+    ],
+)
+def remote(request: Any) -> Iterator[Remote]:
+    # Functions and classes of this module travel by value (workers cannot import it).
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(support)
+    try:
+        if request.param == "ray":
+            yield from _ray_remote()
+        else:
+            yield from _process_remote(request.param == "caller-helps")
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cloudpickle.unregister_pickle_by_value(support)
+
+
+@pytest.fixture(scope="module")
+def ex(remote: Remote) -> Any:
+    return remote.ex
+
+
+def _on(ex: Any, **kwargs: Any) -> Any:
+    return lambda f, *xs: gradmap.tmap(f, *xs, executor=ex, chunksize=2, **kwargs)
+
+
+def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+# -- results and gradients: the loop's and the threads' ---------------------------------------
+
+
+def test_gradients_match_loop_and_threads(remote, ex):
+    s = Setup()
+    ref, ref_y = s.grads(loop)
+    got, got_y = s.grads(_on(ex))
+    threads, _ = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="threads", chunksize=2))
+    close(got_y, ref_y)
+    close(got, ref)
+    # One intra-op thread and the same chunks, summed in the same order: the threads' bits.
+    _bitwise(got, threads)
+    remote.no_state_left()
+
+
+def test_deterministic_across_runs_workers_and_threads(remote, ex):
+    s = Setup()
+    first, _ = s.grads(_on(ex))
+    second, _ = s.grads(_on(ex))
+    one_worker, _ = s.grads(_on(remote.one_worker()))
+    threads, _ = s.grads(lambda f, xs: gradmap.tmap(f, xs, executor="threads", chunksize=2))
+    _bitwise(first, second)
+    _bitwise(first, one_worker)
+    _bitwise(first, threads)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_remat_matches_loop_and_stored_bitwise(remote, ex, api):
+    s = Setup()
+    if api == "tmap":
+        ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
+        loss = sum((i + 1) * y for i, y in enumerate(ys))
+    else:
+        loss = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2, remat=True)
+    ref_ys = loop(s.f(), s.xs)
+    if api == "tmap":
+        close([y.detach() for y in ys], [y.detach() for y in ref_ys])
+    ref = sum((i + 1) * y for i, y in enumerate(ref_ys)) if api == "tmap" else sum(ref_ys)
+    torch.testing.assert_close(loss, ref)
+    close(torch.autograd.grad(loss, s.tensors()), torch.autograd.grad(ref, s.tensors()))
+    if api == "tmap":
+        # The recompute gives the stored graph's bits.
+        s = Setup()
+        stored, _ = s.grads(_on(ex))
+        remat, _ = s.grads(_on(ex, remat=True))
+        _bitwise(stored, remat)
+    remote.no_state_left()
+
+
+def test_pytree_results_and_objects(ex):
+    # Tuples and dicts of tensors, ints and strings.
+    xs = ragged(n=7)
+    w = torch.randn(4, requires_grad=True)
+
+    def f(x: torch.Tensor) -> tuple[Any, ...]:
+        y = x * w
+        return y.sum(), {"max": y.max(), "rows": x.shape[0], "mean": y.mean(0)}, "tag"
+
+    ref = loop(f, xs)
+    got = gradmap.tmap(f, xs, executor=ex, chunksize=3)
+    assert [g[2] for g in got] == ["tag"] * 7
+    assert [g[1]["rows"] for g in got] == [r[1]["rows"] for r in ref]
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g[0], r[0])
+        torch.testing.assert_close(g[1]["max"], r[1]["max"])
+        torch.testing.assert_close(g[1]["mean"], r[1]["mean"])
+
+    def loss(out: list[Any]) -> torch.Tensor:
+        return sum(o[0] * 2 + o[1]["max"] + (o[1]["mean"] * torch.arange(4.0)).sum() for o in out)
+
+    close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
+
+    # A tensor's rows and a list of strings as the iterables; a dict holding a tuple.
+    x = torch.randn(6, 3, requires_grad=True)
+    v = torch.randn(3, requires_grad=True)
+
+    def g(row: torch.Tensor, tag: str) -> dict[str, Any]:
+        return {"y": (row * v).sum(), "pair": (row.norm(), tag), "n": row.numel()}
+
+    tags = [f"t{i}" for i in range(6)]
+    ref2 = [g(r, t) for r, t in zip(x, tags)]
+    got2 = gradmap.tmap(g, x, tags, executor=ex, chunksize=4)
+    assert [r["pair"][1] for r in got2] == tags and [r["n"] for r in got2] == [3] * 6
+    loss2 = lambda out: sum(o["y"] + o["pair"][0] for o in out)  # noqa: E731
+    for r, h in zip(
+        torch.autograd.grad(loss2(ref2), [x, v]), torch.autograd.grad(loss2(got2), [x, v])
+    ):
+        torch.testing.assert_close(h, r)
+
+
+# -- random numbers ---------------------------------------------------------------------------
+
+
+def _noisy_reference(w: torch.Tensor, xs: list[torch.Tensor], draws: list[torch.Tensor]) -> Any:
+    # The loop with the same draws: f's formula with the noise and mask each element drew.
+    return [((x * w + d[:, :-1]) ** 2 * d[:, -1:]).sum() for x, d in zip(xs, draws)]
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
+def test_random_f_matches_threads_and_loop_with_same_draws(ex, remat):
+    xs = ragged(grad=False)
+    w = torch.randn(4, requires_grad=True)
+    f = noisy(w)
+
+    def run(executor: Any, **kwargs: Any) -> Any:
+        torch.manual_seed(1)
+        out = gradmap.tmap(f, xs, executor=executor, chunksize=3, **kwargs)
+        ys = [o[0] for o in out]
+        draws = [o[1].detach() for o in out]
+        (g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ys)), [w])
+        return [y.detach() for y in ys], draws, g, torch.rand(())
+
+    t_ys, t_draws, t_g, t_next = run("threads")
+    p_ys, p_draws, p_g, p_next = run(ex, remat=remat)
+    close(p_draws, t_draws)
+    close(p_ys, t_ys)
+    torch.testing.assert_close(p_g, t_g)
+    torch.testing.assert_close(p_next, t_next)  # the generator left where threads leave it
+    # The gradient is the loop's with those draws.
+    ref = _noisy_reference(w, xs, p_draws)
+    close(p_ys, [r.detach() for r in ref])
+    (r_g,) = torch.autograd.grad(sum((i + 1) * y for i, y in enumerate(ref)), [w])
+    torch.testing.assert_close(p_g, r_g)
+    # Draws differ from element to element (each has its own generator).
+    assert not torch.equal(p_draws[0][0], p_draws[1][0])
+    if remat:
+        return
+    # Dropout and a draw that is not used: the threads' bits, and the generator they leave.
+    v = torch.randn(4, requires_grad=True)
+
+    def h(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x * v, 0.5).sum() + torch.rand(()) * 0
+
+    def run2(executor: Any) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        torch.manual_seed(1)
+        ys = gradmap.tmap(h, xs, executor=executor, chunksize=3)
+        (g,) = torch.autograd.grad(torch.stack(ys).sum(), [v])
+        return [y.detach() for y in ys], g, torch.rand(())
+
+    threads_y, threads_g, threads_next = run2("threads")
+    got_y, got_g, got_next = run2(ex)
+    _bitwise(got_y, threads_y)
+    assert torch.equal(got_g, threads_g) and torch.equal(got_next, threads_next)
+
+
+# -- grad mode and settings -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_no_grad_and_default_dtype_reach_workers(remote, ex, api):
+    s = Setup()
+    f = s.f()
+    with torch.no_grad():
+        ref = loop(f, s.xs)
+        if api == "tmap":
+            got = gradmap.tmap(f, s.xs, executor=ex, chunksize=2)
+            assert not any(y.requires_grad for y in got)
+            close(got, ref)
+        else:
+            got = gradmap.tsum(f, s.xs, executor=ex, chunksize=2)
+            assert not got.requires_grad
+            torch.testing.assert_close(got, torch.stack(ref).sum())
+    if api == "tsum":
+        return
+    w = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        ys = gradmap.tmap(lambda x: (x * w).sum(), torch.ones(4, 3), executor=ex)
+    assert not any(y.requires_grad for y in ys)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        dtypes = gradmap.tmap(lambda i: torch.zeros(1).dtype, range(3), executor=ex)
+    finally:
+        torch.set_default_dtype(previous)
+    assert dtypes == [torch.float64] * 3
+    remote.no_state_left()
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class _LocalError(KeyError):
+    """An exception class of this module: it travels by value, and must come back as itself."""
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError, Boom, _LocalError], ids=["built-in", "imported", "by-value"]
+)
+def test_exception_in_forward_names_the_element(remote, ex, error):
+    if error is not ValueError and not remote.own_error_classes:
+        pytest.skip(
+            f"{remote.name} sends back an error of a class the workers import by value as a copy"
+        )
+    xs = ragged()
+
+    def f(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i == 3:
+            raise error("bad bag")
+        return x.sum()
+
+    for api in (gradmap.tmap, gradmap.tsum):
+        with pytest.raises(error, match="bad bag") as info:
+            api(f, range(10), xs, executor=ex, chunksize=2)
+        assert type(info.value) is error
+        assert any("element 3 (of 10)" in note for note in info.value.__notes__), notes(info.value)
+        del info
+    remote.no_state_left()
+    works(ex)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.fail:
+            raise ArithmeticError("bad backward")
+        return g, None
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_exception_in_backward_names_the_element(remote, ex, api):
+    xs = ragged()
+    f = lambda i, x: _FailingBackward.apply(x, i == 4).sum()  # noqa: E731
+    if api == "tmap":
+        loss = torch.stack(gradmap.tmap(f, range(10), xs, executor=ex, chunksize=3)).sum()
+        with pytest.raises(ArithmeticError, match="bad backward") as info:
+            loss.backward()
+        del loss
+    else:
+        # tsum pulls a chunk of losses back during the forward: the error may come from either.
+        with pytest.raises(ArithmeticError, match="bad backward") as info:
+            gradmap.tsum(f, range(10), xs, executor=ex, chunksize=3).backward()
+    assert type(info.value) is ArithmeticError
+    assert any("backward pass of element 4 (of 10)" in n for n in info.value.__notes__), notes(
+        info.value
+    )
+    del info  # the traceback's frames hold the graph
+    remote.no_state_left()
+    works(ex)
+
+
+# -- backward: twice, create_graph ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_retain_graph_then_second_backward(remote, ex, api):
+    s = Setup()
+    f = s.f()
+    if api == "tmap":
+        loss = torch.stack(gradmap.tmap(f, s.xs, executor=ex, chunksize=3)).sum()
+    else:
+        loss = gradmap.tsum(f, s.xs, executor=ex, chunksize=3)
+    ref = torch.autograd.grad(torch.stack(loop(s.f(), s.xs)).sum(), s.tensors())
+    g1 = torch.autograd.grad(loss, s.tensors(), retain_graph=True)
+    g2 = torch.autograd.grad(loss, s.tensors())
+    close(g1, ref)
+    close(g2, ref)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    del loss
+    if api == "tmap":
+        # The second backward gives the first's bits.
+        s = Setup()
+        h = lambda x: (s.model(x) * s.w.sum()).sum()  # noqa: E731
+        ys = gradmap.tmap(h, s.xs, executor=ex, chunksize=3)
+        loss = torch.stack(ys).sum()
+        (h1,) = torch.autograd.grad(loss, [s.w], retain_graph=True)
+        (h2,) = torch.autograd.grad(loss, [s.w])
+        (r,) = torch.autograd.grad(torch.stack(loop(h, s.xs)).sum(), [s.w])
+        assert torch.equal(h1, h2)
+        torch.testing.assert_close(h1, r)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+        del ys, loss
+    remote.no_state_left()
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_create_graph_is_refused_naming_threads(ex, api):
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    f = lambda x: (x * w).pow(2).sum()  # noqa: E731
+    if api == "tmap":
+        loss = torch.stack(gradmap.tmap(f, xs, executor=ex, chunksize=2)).sum()
+    else:
+        loss = gradmap.tsum(f, xs, executor=ex, chunksize=2)
+    with pytest.raises(NotImplementedError, match="create_graph") as info:
+        torch.autograd.grad(loss, [w], create_graph=True)
+    assert "executor='threads'" in str(info.value)
+    del loss, info
+    works(ex)
+
+
+# -- state on the workers ---------------------------------------------------------------------
+
+
+def test_freed_graph_leaves_no_state(remote, ex):
+    s = Setup()
+    ys = gradmap.tmap(lambda x: s.model(x).sum(), s.xs, executor=ex, chunksize=2)
+    assert sum(ex.stored_calls()) >= 1  # the graphs wait on the workers for a backward
+    del ys
+    remote.no_state_left()
+
+
+def test_tensor_made_on_a_worker_and_reused_is_refused(remote, ex):
+    cache: dict[str, torch.Tensor] = {}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if "w" not in cache:  # made by the first element, used by the others: on the worker
+            cache["w"] = torch.ones(3, requires_grad=True)
+        return (x * cache["w"]).sum()
+
+    with pytest.raises(RuntimeError, match="did not come from the caller"):
+        gradmap.tmap(f, torch.ones(4, 3), executor=ex, chunksize=4)
+    remote.no_state_left()
+
+
+def test_progress_counts_every_element_in_both_passes(ex):
+    class Bar:
+        total = 0
+
+        def update(self, n: int) -> None:
+            Bar.total += n
+
+    w = torch.randn(3, requires_grad=True)
+    ys = gradmap.tmap(lambda x: (x * w).sum(), torch.ones(7, 3), executor=ex, progress=Bar())
+    torch.stack(ys).sum().backward()
+    assert Bar.total == 14
