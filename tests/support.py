@@ -399,3 +399,31 @@ def python_walk() -> Iterator[None]:
         yield
     finally:
         _native._module = native
+
+
+@contextlib.contextmanager
+def by_value(module: Any) -> Iterator[None]:
+    """Within it, ``module`` and this support module travel to worker processes by value (the
+    workers cannot import test modules)."""
+    import cloudpickle
+
+    for m in (module, sys.modules[__name__]):
+        cloudpickle.register_pickle_by_value(m)
+    try:
+        yield
+    finally:
+        for m in (module, sys.modules[__name__]):
+            cloudpickle.unregister_pickle_by_value(m)
+
+
+@contextlib.contextmanager
+def maps_reach_workers() -> Iterator[None]:
+    """Within it, maps of a few elements go to the worker processes: the rule that runs a map
+    measured to be tiny in the caller alone (``_process/_local.TINY``) is off."""
+    from gradmap._process import _local
+
+    tiny, _local.TINY = _local.TINY, 0.0
+    try:
+        yield
+    finally:
+        _local.TINY = tiny

@@ -7,12 +7,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import cloudpickle
 import pytest
 import torch
 
 import gradmap
-from gradmap._process import _local
 from gradmap._remote._kept import ItemsCache, items_cache
 
 import support
@@ -25,16 +23,11 @@ class Bag(NamedTuple):
 
 @pytest.fixture(scope="module")
 def ex() -> Iterator[Any]:
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cloudpickle.register_pickle_by_value(support)
     executor = gradmap.ProcessExecutor(workers=2, timeout=120)  # one worker and the caller
-    tiny, _local.TINY = _local.TINY, 0.0
     try:
-        yield executor
+        with support.by_value(sys.modules[__name__]), support.maps_reach_workers():
+            yield executor
     finally:
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        cloudpickle.unregister_pickle_by_value(support)
-        _local.TINY = tiny
         executor.shutdown()
 
 

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import pytest
 import torch
 from torch import nn
@@ -49,21 +48,14 @@ _SEEN_PIDS: set[int] = set()
 
 @pytest.fixture(scope="module", params=[True, False], ids=["caller-helps", "processes-only"])
 def ex(request: Any) -> Iterator[Any]:
-    # Functions and classes of this module travel by value (workers cannot import it).
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cloudpickle.register_pickle_by_value(support)
     # Two worker processes either way; with the caller running chunks too (the default).
     helps = request.param
     executor = gradmap.ProcessExecutor(workers=3 if helps else 2, caller_helps=helps, timeout=120)
-    # Maps of a few elements would run in the caller alone once measured; these tests need the
-    # workers (``test_a_tiny_map_runs_in_the_caller_alone`` turns the rule back on).
-    tiny, _local.TINY = _local.TINY, 0.0
+    # ``test_a_tiny_map_runs_in_the_caller_alone`` turns the tiny-map rule back on.
     try:
-        yield executor
+        with support.by_value(sys.modules[__name__]), support.maps_reach_workers():
+            yield executor
     finally:
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        cloudpickle.unregister_pickle_by_value(support)
-        _local.TINY = tiny
         executor.shutdown()
 
 

@@ -20,12 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 import pytest
 import torch
 
 import gradmap
-from gradmap._process import _local
 
 import support
 from support import Boom, Setup, close, loop, noisy, notes, ragged, works
@@ -53,24 +51,21 @@ class Remote:
 def _process_remote(helps: bool) -> Iterator[Remote]:
     # Two worker processes either way; with the caller running chunks too (the default).
     executor = gradmap.ProcessExecutor(workers=3 if helps else 2, caller_helps=helps, timeout=120)
-    # Maps of a few elements would run in the caller alone once measured; these tests need the
-    # workers.
-    tiny, _local.TINY = _local.TINY, 0.0
 
     def no_state_left() -> None:
         gc.collect()
         assert sum(executor.stored_calls()) == 0
 
     try:
-        yield Remote(
-            "caller-helps" if helps else "processes-only",
-            executor,
-            lambda: gradmap.ProcessExecutor(workers=1, timeout=120),
-            no_state_left,
-            own_error_classes=True,
-        )
+        with support.maps_reach_workers():
+            yield Remote(
+                "caller-helps" if helps else "processes-only",
+                executor,
+                lambda: gradmap.ProcessExecutor(workers=1, timeout=120),
+                no_state_left,
+                own_error_classes=True,
+            )
     finally:
-        _local.TINY = tiny
         executor.shutdown()
 
 
@@ -110,17 +105,11 @@ def _ray_remote() -> Iterator[Remote]:
     ],
 )
 def remote(request: Any) -> Iterator[Remote]:
-    # Functions and classes of this module travel by value (workers cannot import it).
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cloudpickle.register_pickle_by_value(support)
-    try:
+    with support.by_value(sys.modules[__name__]):
         if request.param == "ray":
             yield from _ray_remote()
         else:
             yield from _process_remote(request.param == "caller-helps")
-    finally:
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        cloudpickle.unregister_pickle_by_value(support)
 
 
 @pytest.fixture(scope="module")
