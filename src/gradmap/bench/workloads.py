@@ -128,11 +128,29 @@ class Workload(ABC, Generic[ItemT]):
 
 
 class ModelWorkload(Workload[ItemT]):
-    """A workload whose parameters are those of the one module, ``model``, that ``f`` runs."""
+    """A workload whose parameters are those of the one module, ``model``, that ``f`` runs;
+    its items are drawn one after another from one generator (``draw``), its module built by
+    ``build`` under the seed."""
 
     def __init__(self, model: nn.Module, items: list[ItemT]) -> None:
         self.model = model
         self.items = items
+
+    @classmethod
+    def make(cls, seed: int, n: int) -> ModelWorkload[ItemT]:
+        gen = torch.Generator().manual_seed(seed)
+        items = [cls.draw(gen) for _ in range(n)]
+        return cls(seeded_module(seed, cls.build), items)
+
+    @classmethod
+    @abstractmethod
+    def draw(cls, gen: torch.Generator) -> ItemT:
+        """One item, drawn from ``gen``."""
+
+    @classmethod
+    @abstractmethod
+    def build(cls) -> nn.Module:
+        """The module (its initialisation is drawn from the workload's seed)."""
 
     def params(self) -> list[Tensor]:
         return list(self.model.parameters())
@@ -218,15 +236,13 @@ class _Bags(ModelWorkload[Bag]):
     has_batched = True
 
     @classmethod
-    def make(cls, seed: int, n: int) -> _Bags:
-        gen = torch.Generator().manual_seed(seed)
-        items = []
-        for _ in range(n):
-            size = randint(cls.min_size, cls.max_size, gen)
-            items.append(
-                Bag(torch.randn(size, cls.sizes[0], generator=gen), torch.randn((), generator=gen))
-            )
-        return cls(seeded_module(seed, lambda: mlp(cls.sizes)), items)
+    def draw(cls, gen: torch.Generator) -> Bag:
+        size = randint(cls.min_size, cls.max_size, gen)
+        return Bag(torch.randn(size, cls.sizes[0], generator=gen), torch.randn((), generator=gen))
+
+    @classmethod
+    def build(cls) -> nn.Module:
+        return mlp(cls.sizes)
 
     def f(self, item: Bag) -> Tensor:
         prediction = self.model(item.x).mean()
@@ -333,19 +349,17 @@ class Tree(ModelWorkload[TreeSample]):
     features, hidden = 16, 64
 
     @classmethod
-    def make(cls, seed: int, n: int) -> Tree:
-        gen = torch.Generator().manual_seed(seed)
-        items = []
-        for _ in range(n):
-            n_leaves = randint(3, 30, gen)
-            items.append(
-                TreeSample(
-                    torch.randn(n_leaves, cls.features, generator=gen),
-                    random_tree_shape(n_leaves, gen),
-                    torch.randn((), generator=gen),
-                )
-            )
-        return cls(seeded_module(seed, lambda: TreeNet(cls.features, cls.hidden)), items)
+    def draw(cls, gen: torch.Generator) -> TreeSample:
+        n_leaves = randint(3, 30, gen)
+        return TreeSample(
+            torch.randn(n_leaves, cls.features, generator=gen),
+            random_tree_shape(n_leaves, gen),
+            torch.randn((), generator=gen),
+        )
+
+    @classmethod
+    def build(cls) -> nn.Module:
+        return TreeNet(cls.features, cls.hidden)
 
     def f(self, item: TreeSample) -> Tensor:
         return (self.model(item.leaves, item.shape) - item.y) ** 2
@@ -411,12 +425,12 @@ class NeuralODE(ModelWorkload[ODESample]):
     dim, hidden = 16, 64  # state width, field width
 
     @classmethod
-    def make(cls, seed: int, n: int) -> NeuralODE:
-        gen = torch.Generator().manual_seed(seed)
-        items = [
-            ODESample(torch.randn(cls.dim, generator=gen), randint(10, 60, gen)) for _ in range(n)
-        ]
-        return cls(seeded_module(seed, lambda: VectorField(cls.dim, cls.hidden)), items)
+    def draw(cls, gen: torch.Generator) -> ODESample:
+        return ODESample(torch.randn(cls.dim, generator=gen), randint(10, 60, gen))
+
+    @classmethod
+    def build(cls) -> nn.Module:
+        return VectorField(cls.dim, cls.hidden)
 
     def f(self, item: ODESample) -> Tensor:
         return rk4(self.model, item.y0, 1.0, item.steps).pow(2).sum()
@@ -436,10 +450,12 @@ class Sequences(ModelWorkload[Tensor]):
     dim, hidden = 32, 128
 
     @classmethod
-    def make(cls, seed: int, n: int) -> Sequences:
-        gen = torch.Generator().manual_seed(seed)
-        items = [torch.randn(randint(20, 120, gen), cls.dim, generator=gen) for _ in range(n)]
-        return cls(seeded_module(seed, lambda: nn.GRU(cls.dim, cls.hidden)), items)
+    def draw(cls, gen: torch.Generator) -> Tensor:
+        return torch.randn(randint(20, 120, gen), cls.dim, generator=gen)
+
+    @classmethod
+    def build(cls) -> nn.Module:
+        return nn.GRU(cls.dim, cls.hidden)
 
     def f(self, item: Tensor) -> Tensor:
         _, last = self.model(item)
