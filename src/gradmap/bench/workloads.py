@@ -448,10 +448,11 @@ class Sequences(ModelWorkload[Tensor]):
     summary = "one GRU layer (32 -> 128) per sequence of 20-120 steps: large ops per element"
     default_n, quick_n = 64, 8
     dim, hidden = 32, 128
+    steps = (20, 120)  # the shortest and the longest sequence
 
     @classmethod
     def draw(cls, gen: torch.Generator) -> Tensor:
-        return torch.randn(randint(20, 120, gen), cls.dim, generator=gen)
+        return torch.randn(randint(*cls.steps, gen), cls.dim, generator=gen)
 
     @classmethod
     def build(cls) -> nn.Module:
