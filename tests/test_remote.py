@@ -43,9 +43,6 @@ class Remote:
     one_worker: Callable[[], Any]
     #: Asserts that the workers hold no map's state (graphs awaiting a backward).
     no_state_left: Callable[[], None]
-    #: Whether an error of a class the workers got by value (this module's, support's) comes back
-    #: as that class itself (Ray's own pickling sends it back as a copy).
-    own_error_classes: bool
 
 
 def _process_remote(helps: bool) -> Iterator[Remote]:
@@ -63,7 +60,6 @@ def _process_remote(helps: bool) -> Iterator[Remote]:
                 executor,
                 lambda: gradmap.ProcessExecutor(workers=1, timeout=120),
                 no_state_left,
-                own_error_classes=True,
             )
     finally:
         executor.shutdown()
@@ -88,7 +84,6 @@ def _ray_remote() -> Iterator[Remote]:
             executor,
             lambda: RayExecutor(workers=1),
             no_state_left,
-            own_error_classes=False,
         )
     finally:
         executor.shutdown()
@@ -316,10 +311,6 @@ class _LocalError(KeyError):
     "error", [ValueError, Boom, _LocalError], ids=["built-in", "imported", "by-value"]
 )
 def test_exception_in_forward_names_the_element(remote, ex, error):
-    if error is not ValueError and not remote.own_error_classes:
-        pytest.skip(
-            f"{remote.name} sends back an error of a class the workers import by value as a copy"
-        )
     xs = ragged()
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:

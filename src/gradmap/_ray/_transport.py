@@ -34,7 +34,10 @@ class RayHost(Host):
         argument of a call on its own, at a cost per argument), and the object references in
         them passed beside it, in a list (so that Ray passes them as they are)."""
         args = _ArgsUnpickler(io.BytesIO(blob), refs).load()
-        return getattr(self, method)(*args)
+        try:
+            return getattr(self, method)(*args)
+        except Exception as exc:
+            raise _shipped(exc) from None
 
     def load_f(self, box: Any) -> tuple[Any, LeafTable]:
         import ray
@@ -142,6 +145,35 @@ class _ArgsUnpickler(pickle.Unpickler):
         return self._refs[pid]
 
 
+class ShippedError(Exception):
+    """An exception raised on an actor, pickled there with cloudpickle: Ray's own copy of
+    cloudpickle keeps its own account of the classes sent by value, so an exception of a class
+    ``f`` brought along (one of the user's script) would come back as a copy of the class, and
+    ``except MyError`` in the caller would miss it; cloudpickle's account finds the caller's
+    class, as on the process executor."""
+
+    def __init__(self, payload: bytes, trace: str) -> None:
+        super().__init__(payload, trace)
+        self.payload = payload
+        self.trace = trace
+
+
+def _shipped(exc: Exception) -> Exception:
+    """``exc`` as it leaves an actor: shipped; or as it is where cloudpickle cannot pickle it,
+    and for Ray's own errors (a lost object while loading ``f``: ``_lost_actor`` reads those)."""
+    import traceback
+
+    import cloudpickle
+
+    if type(exc).__module__.split(".")[0] == "ray":
+        return exc
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        return ShippedError(cloudpickle.dumps(exc, protocol=5), trace)
+    except Exception:
+        return exc
+
+
 def _unwrap(exc: BaseException) -> BaseException:
     """The exception ``f`` raised, out of Ray's ``RayTaskError`` wrapper, with the worker's
     traceback as a note."""
@@ -150,6 +182,16 @@ def _unwrap(exc: BaseException) -> BaseException:
     if not isinstance(exc, RayTaskError):
         return exc
     cause = getattr(exc, "cause", None)
+    if isinstance(cause, ShippedError):
+        import cloudpickle
+
+        try:
+            original = cloudpickle.loads(cause.payload)
+        except Exception:
+            original = None
+        if isinstance(original, BaseException):
+            add_note(original, "gradmap: the Ray worker's traceback:\n" + cause.trace.rstrip())
+            return original
     if not isinstance(cause, BaseException):
         return exc
     trace = getattr(exc, "traceback_str", "")
