@@ -140,6 +140,18 @@ def test_plot_writes_an_image(tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_sweep_times_the_worker_counts_given(capsys):
+    args = "--workloads tree -n 4 --reps 1 --warmup 0 -q --variants loop --sweep 2,1,2"
+    status = main(args.split())
+    assert status == 0
+    out = capsys.readouterr().out
+    for name in ("tmap:1", "tmap:2", "tmap-proc:1", "tmap-proc:2"):
+        assert name in out
+    assert "tmap:3" not in out
+    with pytest.raises(SystemExit):
+        main(["--sweep", "0"])
+
+
 def test_list_and_unknown_names(capsys):
     assert main(["--list"]) == 0
     out = capsys.readouterr().out

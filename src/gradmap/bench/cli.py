@@ -35,6 +35,11 @@ def _positive(text: str) -> int:
     return value
 
 
+def _counts(text: str) -> list[int]:
+    """Parse a comma-separated list of positive worker counts, sorted, without repeats."""
+    return sorted({_positive(part) for part in text.split(",") if part.strip()})
+
+
 def _non_negative(text: str) -> int:
     """Parse a non-negative integer argument."""
     value = int(text)
@@ -112,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time tmap with 1..cores workers and plot speed-up to FILE",
     )
     parser.add_argument(
+        "--sweep",
+        type=_counts,
+        default=None,
+        metavar="W,W,...",
+        help="worker counts of the tmap:W and tmap-proc:W variants (default with --plot: "
+        "1..cores); on a machine with many cores, e.g. 1,2,4,8,16",
+    )
+    parser.add_argument(
         "--memory",
         action="store_true",
         help="also measure peak memory of loop, tmap and tmap(remat=True) on ragged_bags "
@@ -158,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.plot:
             require_matplotlib()
-        sweep = list(range(1, available_cores() + 1)) if args.plot else []
+        sweep = args.sweep or (list(range(1, available_cores() + 1)) if args.plot else [])
         variants = build_variants(
             args.variants, workers=args.workers, sweep=sweep, executor=args.executor
         )
