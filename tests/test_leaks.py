@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import gradmap
+from gradmap import _executors
 
-from support import assert_threads_back, deadline, settle_threads
+from support import assert_threads_back, deadline, settle_threads, spawn_all
 
 Tensor = torch.Tensor
 
@@ -50,18 +51,25 @@ def live_map_graphs() -> int:
 
 
 @contextmanager
-def measured(label: str) -> Iterator[dict[str, float]]:
-    """Baseline before the body, bounds checked after; the figures go to the captured output."""
+def measured(
+    label: str, *pools: concurrent.futures.ThreadPoolExecutor
+) -> Iterator[dict[str, float]]:
+    """Baseline before the body, bounds checked after; the figures go to the captured output.
+    ``pools``: the user pools the body ran maps on (free-threaded CPython wakes their threads)."""
     gc.collect()
     before = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
     figures: dict[str, float] = {}
     yield figures
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         # free-threaded CPython: an object released by another thread than the one that made it
-        # (a pool thread's tensors, dropped by the caller) is freed only once its refcount is
-        # merged, which gc.collect() does; with the GIL the check runs without a collection,
-        # so a graph kept alive by a reference cycle fails it
+        # (a pool thread's tensors, freed by the caller's collection of the cycles that failing
+        # maps' tracebacks make) is queued to its maker, and freed only when that thread runs
+        # again and merges its queue. Seen: 582 tensors alive after 1,000 failing maps and a
+        # collection, 7 after a collection and then a no-op on every pool thread. With the GIL
+        # the check runs without either, so a graph kept alive by a reference cycle fails it.
         gc.collect()
+        for pool in (_executors._shared_pool(_executors.available_cores()), *pools):
+            spawn_all(pool)
     after = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
     figures.update({f"{k}_before": v for k, v in before.items()})
     figures.update({f"{k}_after": v for k, v in after.items()})
@@ -129,7 +137,7 @@ def test_no_leak_over_many_maps_with_backward(user_pool: Any) -> None:
     executors = _executors_for(user_pool)
     baseline = settle_threads(user_pool)
     _warm(m, executors)
-    with measured(f"{N_WITH_BACKWARD} maps with backward"):
+    with measured(f"{N_WITH_BACKWARD} maps with backward", user_pool):
         for i in range(N_WITH_BACKWARD):
             ys = gradmap.tmap(m.f, m.items, **executors[i % len(executors)])
             grads = torch.autograd.grad(torch.stack(ys).sum(), m.inputs)
@@ -148,11 +156,13 @@ def test_no_leak_when_the_graph_is_dropped(user_pool: Any) -> None:
     executors = _executors_for(user_pool)
     baseline = settle_threads(user_pool)
     _warm(m, executors)
-    with measured(f"{N_WITHOUT_BACKWARD} maps dropped without backward"):
+    with measured(f"{N_WITHOUT_BACKWARD} maps dropped without backward", user_pool):
         for i in range(N_WITHOUT_BACKWARD):
             ys = gradmap.tmap(m.f, m.items, **executors[i % len(executors)])
         del ys
-    with measured(f"{N_WITHOUT_BACKWARD} maps: partial, retained, create_graph, no_grad"):
+    with measured(
+        f"{N_WITHOUT_BACKWARD} maps: partial, retained, create_graph, no_grad", user_pool
+    ):
         for i in range(N_WITHOUT_BACKWARD):
             kwargs = executors[i % len(executors)]
             ys = gradmap.tmap(m.f, m.items, **kwargs)
@@ -189,7 +199,7 @@ def test_no_leak_on_errors(user_pool: Any) -> None:
         return _FailBackward.apply(y) if i == 1 else y
 
     _warm(m, executors)
-    with measured(f"{N_ERRORS} failing forwards and {N_ERRORS} failing backwards"):
+    with measured(f"{N_ERRORS} failing forwards and {N_ERRORS} failing backwards", user_pool):
         for i in range(N_ERRORS):
             kwargs = executors[i % len(executors)]
             with pytest.raises(ValueError, match="forward failed"):
