@@ -34,6 +34,7 @@ Tensor = torch.Tensor
 
 _NONE: tuple[int, ...] = ()
 _FIRST: tuple[int, ...] = (0,)
+_TAKEN: Any = ()  # an element's leaves once handed out
 
 
 class ElementResult:
@@ -70,6 +71,13 @@ class ElementResult:
     @leaves.setter
     def leaves(self, leaves: list[Any]) -> None:
         self._tree, self._leaves = None, leaves
+
+    def take(self) -> list[Any]:
+        """The leaves, handed out: the record keeps none afterwards (an empty tuple, not a new
+        list per element, which would be one more object for the collector to count)."""
+        leaves = [self._tree] if self._leaves is None else self._leaves
+        self._tree, self._leaves = None, _TAKEN
+        return leaves
 
     @property
     def outputs(self) -> tuple[int, int]:

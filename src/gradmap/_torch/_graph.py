@@ -130,7 +130,7 @@ class Boundary:
     __slots__ = ("inputs", "keys", "nodes", "tensors")
 
     def __init__(self) -> None:
-        self.keys: list[tuple[Any, ...]] = []
+        self.keys: list[Any] = []  # hashable
         self.tensors: list[Tensor] = []
         self.inputs: list[Tensor | GradientEdge] = []
         self.nodes: list[Node] = []

@@ -80,8 +80,7 @@ def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
             for el in r.elements:
                 # The results take the leaves over: the graph keeps no reference to the join's
                 # outputs (which would make a cycle through the join node's context).
-                leaves, el.leaves = el.leaves, []
-                yield leaves, el.spec, el.diff
+                yield el.take(), el.spec, el.diff
 
     return fill_leaves(taken(), joined)
 

@@ -239,7 +239,13 @@ py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi)
   }
   py::list keys, tensors, inputs, replaced;
   for (auto& e : w.entries) {
-    keys.append(py::make_tuple(e.key, e.nr));
+    // A leaf's key is its TensorImpl's address alone: no tuple per leaf (a map over items that
+    // require grad has one entry per element, each object one more for the collector).
+    if (e.nr < 0) {
+      keys.append(py::int_(e.key));
+    } else {
+      keys.append(py::make_tuple(e.key, e.nr));
+    }
     tensors.append(std::move(e.tensor));
     inputs.append(std::move(e.input));
   }

@@ -208,7 +208,7 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
                 totals = _add(totals, values, (el.index, el.index), before)
             else:
                 totals = values
-            el.leaves = []
+            el.take()
         partial.append(totals)
     sums = partial[0]
     for r, more in zip(records[1:], partial[1:]):
