@@ -186,6 +186,22 @@ def _nonzero(g: Tensor) -> bool:
 
 def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:
     """Whether each cotangent is nonzero; 0-d ones (the losses of a map) in one tensor op."""
+    if len(cotangents) >= 4:
+        # The common case first: cotangents of one shape, dtype and device (a map's losses, a
+        # stacked result's rows) in one stack, without reading each one's attributes.
+        try:
+            stacked = torch.stack(cotangents)  # type: ignore[arg-type]
+        except (TypeError, RuntimeError):
+            pass  # a None, or shapes, devices or layouts that differ
+        else:
+            if (
+                stacked.layout == torch.strided
+                and stacked.device.type == "cpu"
+                and not stacked.requires_grad
+                and not any(g.requires_grad for g in cotangents)  # type: ignore[union-attr]
+            ):
+                flags: list[bool] = stacked.reshape(len(cotangents), -1).ne(0).any(1).tolist()
+                return flags
     scalar = [
         g is not None
         and g.dim() == 0
@@ -197,9 +213,10 @@ def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:
     scalars = [g for g, s in zip(cotangents, scalar) if s]
     if len(scalars) < 4 or len({g.dtype for g in scalars}) > 1:  # type: ignore[union-attr]
         return [g is not None and _nonzero(g) for g in cotangents]
-    flags = iter(torch.stack(scalars).ne(0).tolist())  # type: ignore[arg-type]
+    scalar_flags = iter(torch.stack(scalars).ne(0).tolist())  # type: ignore[arg-type]
     return [
-        next(flags) if s else (g is not None and _nonzero(g)) for g, s in zip(cotangents, scalar)
+        next(scalar_flags) if s else (g is not None and _nonzero(g))
+        for g, s in zip(cotangents, scalar)
     ]
 
 
