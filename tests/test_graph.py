@@ -311,3 +311,27 @@ def test_autograd_grad_with_some_inputs_runs_no_element_that_reaches_none(execut
         return
     (got,) = torch.autograd.grad(r0 + r1, [xs[0]])
     torch.testing.assert_close(got, want)
+
+
+def test_which_cotangents_are_nonzero_on_every_path():
+    """The check behind skipping zero cotangents: one stack for small cotangents alike, element
+    by element for the rest (None, shapes that differ, large ones, ones that require grad)."""
+    from gradmap._torch._chunk import _nonzero_all
+
+    z, o = torch.zeros(()), torch.ones(())
+    assert _nonzero_all([z, o, z, o, -o]) == [False, True, False, True, True]
+    assert _nonzero_all([None, o, z, o, z]) == [False, True, False, True, False]
+    assert _nonzero_all([z, torch.zeros(2), o, torch.tensor([0.0, 1.0])]) == [
+        False,
+        False,
+        True,
+        True,
+    ]
+    rows = [torch.zeros(3), torch.tensor([0.0, 2.0, 0.0]), torch.zeros(3), torch.zeros(3)]
+    assert _nonzero_all(rows) == [False, True, False, False]
+    large = [torch.zeros(1000), torch.zeros(1000), torch.zeros(1000), torch.ones(1000)]
+    assert _nonzero_all(large) == [False, False, False, True]
+    mixed = [z, torch.tensor(0, dtype=torch.int64), torch.tensor(3.0, dtype=torch.float64), o]
+    assert _nonzero_all(mixed) == [False, False, True, True]
+    # a zero that requires grad still carries a second-order term
+    assert _nonzero_all([z, z.clone().requires_grad_(), z, z]) == [False, True, False, False]

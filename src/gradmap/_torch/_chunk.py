@@ -184,11 +184,17 @@ def _nonzero(g: Tensor) -> bool:
     return bool(g.any())
 
 
+#: The largest cotangent (in elements) that ``_nonzero_all`` checks in one stack with the others.
+_STACKED_MAX = 256
+
+
 def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:
     """Whether each cotangent is nonzero; 0-d ones (the losses of a map) in one tensor op."""
-    if len(cotangents) >= 4:
-        # The common case first: cotangents of one shape, dtype and device (a map's losses, a
-        # stacked result's rows) in one stack, without reading each one's attributes.
+    first = cotangents[0] if cotangents else None
+    if len(cotangents) >= 4 and first is not None and first.numel() <= _STACKED_MAX:
+        # The common case first: small cotangents of one shape, dtype and device (a map's
+        # losses, a stacked result's rows) in one stack, without reading each one's attributes.
+        # (Large ones are not copied into one buffer: each one's own check is cheap beside it.)
         try:
             stacked = torch.stack(cotangents)  # type: ignore[arg-type]
         except (TypeError, RuntimeError):
