@@ -450,3 +450,32 @@ def test_progress_counts_every_element_in_both_passes(ex):
     ys = gradmap.tmap(lambda x: (x * w).sum(), torch.ones(7, 3), executor=ex, progress=Bar())
     torch.stack(ys).sum().backward()
     assert Bar.total == 14
+
+
+def test_parameters_are_told_apart_as_isinstance_does() -> None:
+    """The pickler's quick parameter check agrees with ``isinstance(t, nn.Parameter)``, tensor
+    subclasses made parameters (the ``_is_param`` flag) included."""
+    from torch.nn.parameter import UninitializedParameter
+
+    from gradmap._remote._pickling import _is_parameter
+
+    class Sub(torch.Tensor):
+        pass
+
+    class MyParameter(torch.nn.Parameter):
+        pass
+
+    flagged = torch.nn.Parameter(torch.ones(2).as_subclass(Sub))
+    plain_flagged = torch.ones(2)
+    plain_flagged._is_param = True  # type: ignore[attr-defined]
+    cases = [
+        torch.ones(2, requires_grad=True),
+        torch.ones(2).as_subclass(Sub),
+        torch.nn.Parameter(torch.ones(2)),
+        MyParameter(torch.ones(2)),
+        UninitializedParameter(),
+        flagged,
+        plain_flagged,
+    ]
+    assert [_is_parameter(t) for t in cases] == [isinstance(t, torch.nn.Parameter) for t in cases]
+    assert [_is_parameter(t) for t in cases] == [False, False, True, True, True, True, True]
