@@ -4,6 +4,10 @@ once fooled it."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+import sysconfig
 from typing import Any
 
 import pytest
@@ -39,3 +43,29 @@ def test_a_leaf_returned_by_several_elements_of_a_chunk(walk: str, executor: str
             )
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(
+    not sysconfig.get_config_var("Py_GIL_DISABLED"), reason="needs a free-threaded CPython"
+)
+def test_maps_leave_the_gil_off_on_free_threaded_python() -> None:
+    """Importing gradmap and mapping (which loads the native walk) keep the GIL off in a fresh
+    interpreter started without PYTHON_GIL=0: an extension that does not declare it can run
+    without the GIL turns it back on for the whole process."""
+    if not support.native_walk():
+        pytest.skip("no native walk here")
+    code = (
+        "import sys, torch, gradmap\n"
+        "w = torch.ones(3, requires_grad=True)\n"
+        "gradmap.tsum(lambda x: (w * x).sum(), [torch.ones(3)] * 8).backward()\n"
+        "gradmap.tmap(lambda x: w * x, [torch.ones(3)] * 8, executor='serial')\n"
+        "from gradmap._torch import _native\n"
+        "assert _native.native() is not None, 'the native walk did not load'\n"
+        "print('GIL', sys._is_gil_enabled())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON_GIL"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "GIL False" in out.stdout, out.stderr

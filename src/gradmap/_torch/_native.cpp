@@ -315,7 +315,14 @@ std::vector<bool> needed(const py::object& ctx) {
 
 }  // namespace
 
+// The module keeps no state of its own and its functions read no Python object without the GIL,
+// so on a free-threaded CPython it says it runs without the GIL: else loading it would turn the
+// GIL back on for the whole process (pybind11 2.13 and later; torch's own is 3.0).
+#if defined(Py_GIL_DISABLED) && PYBIND11_VERSION_HEX >= 0x020D0000
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m, py::mod_gil_not_used()) {
+#else
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#endif
   m.def("walk", &walk, "A chunk's boundary, its edges to non-leaves made elsewhere gated.");
   m.def("reaches", &reaches, "Which boundary inputs the graph from outputs reaches.");
   m.def("needed", &needed, "Which of a join's inputs the running backward needs.");
