@@ -189,7 +189,8 @@ _STACKED_MAX = 256
 
 
 def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:
-    """Whether each cotangent is nonzero; 0-d ones (the losses of a map) in one tensor op."""
+    """Whether each cotangent is nonzero: small ones of one shape, dtype and device in one
+    stack, else the 0-d ones (the losses of a map) in one stack and the rest one by one."""
     first = cotangents[0] if cotangents else None
     if len(cotangents) >= 4 and first is not None and first.numel() <= _STACKED_MAX:
         # The common case first: small cotangents of one shape, dtype and device (a map's
@@ -203,7 +204,6 @@ def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:
             if (
                 stacked.layout == torch.strided
                 and stacked.device.type == "cpu"
-                and not stacked.requires_grad
                 and not any(g.requires_grad for g in cotangents)  # type: ignore[union-attr]
             ):
                 flags: list[bool] = stacked.reshape(len(cotangents), -1).ne(0).any(1).tolist()

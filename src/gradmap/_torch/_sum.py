@@ -200,7 +200,7 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
                     "or a pytree of tensors) to be summed"
                 )
             differentiable.update(el.diff)
-            values = list(el.leaves)
+            values = el.take()  # the record gives its leaves up
             for o, j in zip(range(*el.outputs), el.diff):
                 values[j] = r.outputs[o].detach()
             if totals is not None:
@@ -208,7 +208,6 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
                 totals = _add(totals, values, (el.index, el.index), before)
             else:
                 totals = values
-            el.take()
         partial.append(totals)
     sums = partial[0]
     for r, more in zip(records[1:], partial[1:]):
