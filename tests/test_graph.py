@@ -335,3 +335,88 @@ def test_which_cotangents_are_nonzero_on_every_path():
     assert _nonzero_all(mixed) == [False, False, True, True]
     # a zero that requires grad still carries a second-order term
     assert _nonzero_all([z, z.clone().requires_grad_(), z, z]) == [False, True, False, False]
+
+
+def _kinds(w):
+    """An ``f`` whose result changes kind from element to element: a tensor that requires grad,
+    one that does not, a tuple (NOTE [a chunk of bare tensors]: a chunk starts compact and turns
+    general at the first result of another kind)."""
+
+    def f(x):
+        k = int(x.detach()[0].abs() * 10) % 4
+        y = (x * w).sum()
+        if k == 0 or k == 3:
+            return y
+        if k == 1:
+            return y.detach() + 1
+        return (y, x.detach())
+
+    return f
+
+
+@pytest.mark.parametrize("chunksize", [1, 3, 16])
+@pytest.mark.parametrize("executor", ["serial", "threads", "processes"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_results_of_changing_kinds_within_a_chunk_as_in_the_loop(executor, chunksize, remat):
+    torch.manual_seed(5)
+    w = torch.randn(3, dtype=F64, requires_grad=True)
+    xs = [torch.randn(3, dtype=F64, requires_grad=True) for _ in range(16)]
+    f = _kinds(w)
+    kinds = {type(y).__name__ + str(getattr(y, "requires_grad", "")) for y in _loop(f, xs)}
+    assert len(kinds) == 3  # each kind occurs, so chunks turn general at various places
+
+    def flat(ys):
+        return [t for y in ys for t in (y if isinstance(y, tuple) else (y,))]
+
+    def loss(ys):
+        return sum((i + 1) * t.sum() for i, t in enumerate(flat(ys)) if t.requires_grad)
+
+    got = gradmap.tmap(f, xs, executor=executor, chunksize=chunksize, remat=remat)
+    ref = _loop(f, xs)
+    assert [type(y) for y in got] == [type(y) for y in ref]
+    for a, b in zip(flat(got), flat(ref)):
+        assert a.requires_grad == b.requires_grad
+        torch.testing.assert_close(a, b)
+    want = torch.autograd.grad(loss(ref), [w, *xs], allow_unused=True)
+    have = torch.autograd.grad(loss(got), [w, *xs], allow_unused=True)
+    for a, b in zip(have, want):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        plain = gradmap.tmap(f, xs, executor=executor, chunksize=chunksize)
+    for a, b in zip(flat(plain), flat(ref)):
+        torch.testing.assert_close(a, b.detach())
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads", "processes"])
+def test_tsum_of_losses_some_without_grad_and_of_a_structure_that_changes(executor):
+    torch.manual_seed(6)
+    w = torch.randn(3, dtype=F64, requires_grad=True)
+    xs = [torch.randn(3, dtype=F64) for _ in range(12)]
+
+    def f(x):  # every third loss does not require grad: a chunk turns general there
+        y = (x * w).sin().sum()
+        return y.detach() if int(x[0].abs() * 10) % 3 == 0 else y
+
+    total = gradmap.tsum(f, xs, executor=executor, chunksize=4)
+    ref = sum(f(x) for x in xs)
+    torch.testing.assert_close(total, ref)
+    (g,) = torch.autograd.grad(total, w)
+    torch.testing.assert_close(g, torch.autograd.grad(ref, w)[0])
+
+    key = float(xs[6].sum())  # (by value: on processes f sees copies of the items)
+
+    def g_(x):  # bare tensors for the first chunk, then a tuple: the error names the element
+        return (x * w).sum() if float(x.sum()) != key else ((x * w).sum(),)
+
+    with pytest.raises(ValueError, match="element 6 returned a result of another structure"):
+        gradmap.tsum(g_, xs, executor=executor, chunksize=4)
+
+    def h(x):  # losses in a 1-tuple: summed as tuples (on processes, not as a chunk's losses)
+        return ((x * w).sin().sum(),)
+
+    (got,) = gradmap.tsum(h, xs, executor=executor, chunksize=4)
+    want = sum(h(x)[0] for x in xs)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, w)[0], torch.autograd.grad(want, w)[0])

@@ -33,7 +33,6 @@ from typing import Any, NoReturn, cast
 
 import torch
 
-from .. import _tree
 from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
 from .._torch._graph import Known
 from .._torch._random import SEEDING, MapRandom
@@ -329,7 +328,7 @@ class Host:
         if not spec.graph:  # seeded per element as with a graph: the same draws either way
             with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
                 plain = _run(state, start, local, graph=False)
-            results = [_tree.unflatten(el.leaves, el.spec) for el in plain.elements]
+            results = list(plain.plain_results())
             if not self._process:  # as pickling would: no leaf of this host reaches the caller
                 results = [_detached_all(y) for y in results]
             return self._out((results, None, [], False))
@@ -340,14 +339,7 @@ class Host:
         pids = _pids(state, record)
         if not spec.remat:
             state.chunks[k] = _Kept(record, pids)
-        return self._out(
-            (
-                [_detached_tree(el) for el in record.elements],
-                [el.diff for el in record.elements],
-                sorted(set(pids)),
-                state.seed.drawn,
-            )
-        )
+        return self._out((*_detached_results(record), sorted(set(pids)), state.seed.drawn))
 
     def backward(
         self,
@@ -406,10 +398,17 @@ class Host:
         local = cast(list, self._items.load(items, state.leaves))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
-            losses = bool(record.outputs) and all(
-                len(el.diff) == 1 and len(el.leaves) == 1 and el.leaves[0].dim() == 0
-                for el in record.elements
-            )
+            if record.results is not None:  # NOTE [a chunk of bare tensors]
+                losses = record.results is record.outputs and all(
+                    y.dim() == 0 for y in record.outputs
+                )
+            else:
+                # (bare tensors only: the sum of a chunk of ``(loss,)`` would lose its
+                # structure, which the driver checks against the other chunks')
+                losses = bool(record.outputs) and all(
+                    el.spec is None and len(el.diff) == 1 and el.leaves[0].dim() == 0
+                    for el in record.elements
+                )
             grads = None
             if losses:
                 pids = _pids(state, record)
@@ -424,14 +423,8 @@ class Host:
                     )
         if not losses:
             state.chunks[k] = _Kept(record, _pids(state, record))
-            return self._out(
-                (
-                    [_detached_tree(el) for el in record.elements],
-                    [el.diff for el in record.elements],
-                    sorted(set(state.chunks[k].pids)),
-                    state.seed.drawn,
-                )
-            )
+            pids = sorted(set(state.chunks[k].pids))
+            return self._out((*_detached_results(record), pids, state.seed.drawn))
         # Added one by one, in element order, as the thread executor adds a chunk's results.
         values = [t.detach() for t in record.outputs]
         total = values[0]
@@ -577,6 +570,18 @@ def _detached_all(tree: Any) -> Any:
     return unflatten(
         [t.detach() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves], spec
     )
+
+
+def _detached_results(record: Any) -> tuple[list[Any], list[Any]]:
+    """A chunk's results with their differentiable leaves detached, and those leaves' places."""
+    if record.results is not None:  # NOTE [a chunk of bare tensors]: no record per element
+        if record.results is record.outputs:
+            return [t.detach() for t in record.outputs], [_FIRST] * len(record.outputs)
+        return list(record.results), [()] * len(record.results)
+    return [_detached_tree(el) for el in record.elements], [el.diff for el in record.elements]
+
+
+_FIRST = (0,)
 
 
 def _detached_tree(el: Any) -> Any:

@@ -380,13 +380,17 @@ def map_remote(request: MapRequest) -> Any:
     # losses is one "element": its sum).
     placed: list[tuple[list[Any], Any, list[int]]] = []
     sizes: list[int] = []
+    spans: list[tuple[int, int]] = []  # the elements each result stands for
     for k, (trees, diff) in enumerate(per_chunk):
         lo = len(call.outputs)
+        first, stop = plan.bounds(k)
         if trees is None:
             call.outputs.append(diff)
             placed.append(([diff], None, [0]))
             sizes.append(1)
+            spans.append((first, stop - 1))
         else:
+            spans.extend((i, i) for i in range(first, first + len(trees)))
             call.chunks[k].diff = diff
             for tree, positions in zip(trees, diff):
                 leaves, spec_ = flatten(tree)
@@ -407,7 +411,7 @@ def map_remote(request: MapRequest) -> Any:
         results = fill_leaves(placed, joined)
         if not any(c.owner >= 0 for c in call.chunks) and not remat:
             call.release()  # nothing is kept on the workers (tsum's chunks of losses)
-    return sum_results(results, sizes) if summed else results
+    return sum_results(results, sizes, spans) if summed else results
 
 
 def _unpicklable(elements: list[tuple[Any, ...]], start: int, stop: int, api: str) -> str:

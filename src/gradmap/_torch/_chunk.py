@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 
 from .._errors import add_note, element_note
-from .._tree import Spec, flatten
+from .._tree import Spec, flatten, unflatten
 from ._graph import (
     BlockHooks,
     Boundary,
@@ -85,21 +85,80 @@ class ElementResult:
 
 
 class ChunkRecord:
-    """What a chunk's forward leaves for its backward."""
+    """What a chunk's forward leaves for its backward.
 
-    __slots__ = ("boundary", "elements", "outputs", "stored")
+    NOTE [a chunk of bare tensors]:
+        Most maps return one tensor per element. A chunk whose every result is a bare tensor,
+        all requiring grad (or, without a graph, none) is kept *compact*: ``results`` is the
+        list of those tensors (with a graph, the same list as ``outputs``: element ``e``'s
+        output is ``outputs[e]``) and no [`ElementResult`][] is made per element, nor a list of
+        leaves: each object kept until the backward brings the cyclic collector's next pass --
+        and, over a large map, its next pass over the whole heap -- closer (measured on
+        ``f(x) = x * 2``: 4 objects kept per element cost 3 full collections in 5 calls of
+        10,000 elements, ~80 ms each). The join and the pullbacks read a compact chunk as it
+        is; ``elements`` makes the records on first use for the paths that want them (a
+        recompute, naming a failing element, other processes). A result of any other kind
+        turns the chunk general: records are made for the elements before it.
+    """
+
+    __slots__ = ("_elements", "boundary", "indices", "outputs", "results", "stored")
 
     def __init__(self) -> None:
-        self.elements: list[ElementResult] = []
+        self._elements: list[ElementResult] | None = []
+        self.indices: list[int] = []  # the compact chunk's elements
+        self.results: list[Tensor] | None = None  # the compact chunk's results, if compact
         self.outputs: list[Tensor] = []
         self.boundary: Boundary = Boundary()
         self.stored = False  # whether ``outputs`` still carry the chunk's graph
+
+    @property
+    def compact(self) -> bool:
+        """Whether the chunk is kept compact (NOTE [a chunk of bare tensors])."""
+        return self.results is not None
+
+    @property
+    def elements(self) -> list[ElementResult]:
+        """One record per element (made on first use for a compact chunk)."""
+        els = self._elements
+        if els is None:
+            results = self.results
+            assert results is not None
+            if results is self.outputs:
+                els = [
+                    ElementResult(i, y, None, None, _FIRST, e, e + 1)
+                    for e, (i, y) in enumerate(zip(self.indices, results))
+                ]
+            else:
+                els = [
+                    ElementResult(i, y, None, None, _NONE, 0, 0)
+                    for i, y in zip(self.indices, results)
+                ]
+            self._elements = els
+        return els
+
+    def count(self) -> int:
+        """The number of elements."""
+        return len(self.indices) if self.results is not None else len(self.elements)
+
+    def first_index(self) -> int:
+        return self.indices[0] if self.results is not None else self.elements[0].index
+
+    def last_index(self) -> int:
+        return self.indices[-1] if self.results is not None else self.elements[-1].index
+
+    def plain_results(self) -> list[Any]:
+        """Every element's result, as ``f`` returned it (a chunk run without a graph)."""
+        if self.results is not None:
+            return self.results
+        return [unflatten(el.leaves, el.spec) for el in self.elements]
 
     def drop_graph(self) -> None:
         """Keep the results, free the graph (the outputs and the elements' leaves held it)."""
         if self.stored:
             self.outputs = outputs = [t.detach() for t in self.outputs]
-            for el in self.elements:
+            if self.results is not None:
+                self.results = outputs
+            for el in self._elements or ():
                 if el._leaves is None:
                     if el.hi > el.lo:
                         el._tree = outputs[el.lo]
@@ -133,6 +192,10 @@ def run_forward(
     """
     record = ChunkRecord()
     outputs = record.outputs
+    # NOTE [a chunk of bare tensors]: compact while every result is a tensor that requires grad
+    # as the first one did; ``elements`` is ``None`` meanwhile.
+    compact: list[Tensor] | None = None
+    elements_out = record._elements
     n = len(elements)
     lo = sequence_nr()
     last = None
@@ -147,13 +210,28 @@ def run_forward(
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward", api))
             raise
+        if compact is not None:
+            if isinstance(y, Tensor) and y.requires_grad is (compact is outputs):
+                compact.append(y)
+                record.indices.append(i)
+                continue
+            elements_out = record.elements  # records for the elements before this one
+            record.results = compact = None
+        elif not elements_out and isinstance(y, Tensor):  # the first element: a bare tensor
+            compact = outputs if y.requires_grad else []
+            compact.append(y)
+            record.indices.append(i)
+            record.results = compact
+            record._elements = elements_out = None
+            continue
+        assert elements_out is not None
         start = len(outputs)
-        if isinstance(y, Tensor):  # the common case, without a list per element
+        if isinstance(y, Tensor):
             if y.requires_grad:
                 outputs.append(y)
-                record.elements.append(ElementResult(i, y, None, None, _FIRST, start, start + 1))
+                elements_out.append(ElementResult(i, y, None, None, _FIRST, start, start + 1))
             else:
-                record.elements.append(ElementResult(i, y, None, None, _NONE, start, start))
+                elements_out.append(ElementResult(i, y, None, None, _NONE, start, start))
             continue
         leaves, spec = flatten(y)
         diff = []
@@ -161,7 +239,7 @@ def run_forward(
             if isinstance(leaf, Tensor) and leaf.requires_grad:
                 outputs.append(leaf)
                 diff.append(j)
-        record.elements.append(ElementResult(i, None, leaves, spec, diff, start, len(outputs)))
+        elements_out.append(ElementResult(i, None, leaves, spec, diff, start, len(outputs)))
     if random is not None and last is not None:
         random.check_chunk(last)
     if known is not None and outputs:
@@ -268,19 +346,29 @@ def pull_back(
     outs: list[Tensor] = []
     grads: list[Tensor] = []
     nonzero = _nonzero_all(cotangents) if recompute is None else [True] * len(cotangents)
-    for e, el in enumerate(record.elements):
-        had = False
-        for o in range(*el.outputs):
-            g = cotangents[o]
+    if record.results is not None:  # NOTE [a chunk of bare tensors]: output e is element e's
+        for e, (t, g) in enumerate(zip(record.outputs, cotangents)):
             if g is not None:
-                if nonzero[o]:
-                    had = True
-                    outs.append(record.outputs[o])
+                if nonzero[e]:
+                    live.append(e)
+                    outs.append(t)
                     grads.append(g)
                 else:
-                    zeros.append(record.outputs[o])
-        if had:
-            live.append(e)
+                    zeros.append(t)
+    else:
+        for e, el in enumerate(record.elements):
+            had = False
+            for o in range(*el.outputs):
+                g = cotangents[o]
+                if g is not None:
+                    if nonzero[o]:
+                        had = True
+                        outs.append(record.outputs[o])
+                        grads.append(g)
+                    else:
+                        zeros.append(record.outputs[o])
+            if had:
+                live.append(e)
     if not live and not zeros:
         return None
     result: list[Tensor | None]

@@ -24,7 +24,7 @@ import torch
 from .._engine import ChunkRun
 from .._join import JoinLayout, sum_in_chunk_order
 from .._request import MapRequest
-from .._tree import fill_leaves, unflatten
+from .._tree import fill_leaves
 from ._call import CALLER, MapCall
 from ._chunk import ACCUMULATE, ChunkRecord, pull_back
 from ._graph import (
@@ -61,7 +61,7 @@ def map_torch(request: MapRequest) -> list[Any]:
         call.known = Known(f, elements, eager=call.off_caller)
     records = call.forward(with_graph)
     if not with_graph:
-        return [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
+        return [y for r in records for y in r.plain_results()]
     return _join(call, records)
 
 
@@ -75,14 +75,21 @@ def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
         joined = outputs
         call.free()
 
-    def taken() -> Any:
-        for r in records:
-            for el in r.elements:
-                # The results take the leaves over: the graph keeps no reference to the join's
-                # outputs (which would make a cycle through the join node's context).
-                yield el.take(), el.spec, el.diff
-
-    return fill_leaves(taken(), joined)
+    results: list[Any] = []
+    start = 0
+    for r in records:
+        if r.results is not None:  # NOTE [a chunk of bare tensors]: the join's outputs in turn
+            if r.results is r.outputs:
+                results += joined[start : start + len(r.outputs)]
+            else:
+                results += r.results
+        else:
+            # The results take the leaves over: the graph keeps no reference to the join's
+            # outputs (which would make a cycle through the join node's context).
+            taken = ((el.take(), el.spec, el.diff) for el in r.elements)
+            results += fill_leaves(taken, joined[start : start + len(r.outputs)])
+        start += len(r.outputs)
+    return results
 
 
 class MapGraph(JoinGraph):

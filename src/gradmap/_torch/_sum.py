@@ -47,14 +47,16 @@ def sum_torch(request: MapRequest) -> Any:
     call = MapCall(request)
     if not (torch.is_grad_enabled() and not call.state.inference):
         records = call.forward(False)
-        results = [unflatten(el.leaves, el.spec) for r in records for el in r.elements]
-        return sum_results(results, [len(r.elements) for r in records])
+        results = [y for r in records for y in r.plain_results()]
+        return sum_results(results, [r.count() for r in records])
     call.known = Known(request.f, request.elements, eager=call.off_caller)
     return _sum_join(call, _forward_pulled_back(call))
 
 
 def _loss_like(record: ChunkRecord) -> bool:
     """Whether every element returned one 0-d tensor (requiring grad or not)."""
+    if record.results is not None:
+        return all(y.dim() == 0 for y in record.results)
     return all(
         len(el.leaves) == 1 and (not el.diff or record.outputs[el.outputs[0]].dim() == 0)
         for el in record.elements
@@ -149,11 +151,16 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
     return out  # type: ignore[return-value]
 
 
-def sum_results(results: list[Any], chunks: list[int] | None = None) -> Any:
+def sum_results(
+    results: list[Any],
+    chunks: list[int] | None = None,
+    spans: list[tuple[int, int]] | None = None,
+) -> Any:
     """The leaf-by-leaf sum of the elements' results: within each chunk in element order, then
     the chunks' sums in chunk order (the order of the differentiable path, so that a sum under
-    ``no_grad`` is bitwise the one under grad mode). ``chunks``: elements per chunk; ``None``
-    for one chunk."""
+    ``no_grad`` is bitwise the one under grad mode). ``chunks``: results per chunk; ``None``
+    for one chunk. ``spans``: the first and last element each result stands for (a chunk's
+    sum, made elsewhere, stands for several), for the errors; ``None``: one element each."""
     if not results:
         raise ValueError(
             "gradmap.tsum: there are no elements to sum; the sum of nothing has no shape. "
@@ -167,17 +174,22 @@ def sum_results(results: list[Any], chunks: list[int] | None = None) -> Any:
         start = i
         partial: list[Any] | None = None
         for y in results[i : i + size]:
+            lo, hi = spans[i] if spans is not None else (i, i)
+            first = spans[start][0] if spans is not None else start
             more, other = flatten(y)
             if other != spec or len(more) != len(leaves):
+                which = f"element {lo}" if lo == hi else f"one of elements {lo}..{hi}"
                 raise ValueError(
-                    f"gradmap.tsum: element {i} returned a result of another structure than "
+                    f"gradmap.tsum: {which} returned a result of another structure than "
                     "element 0's; every element must return the same structure (a tensor, or a "
                     "pytree of tensors) to be summed"
                 )
-            partial = more if partial is None else _add(partial, more, (i, i), (start, i - 1))
+            partial = more if partial is None else _add(partial, more, (lo, hi), (first, lo - 1))
             i += 1
         assert partial is not None
-        total = partial if total is None else _add(total, partial, (start, i - 1), (0, start - 1))
+        lo = spans[start][0] if spans is not None else start
+        hi = spans[i - 1][1] if spans is not None else i - 1
+        total = partial if total is None else _add(total, partial, (lo, hi), (0, lo - 1))
     assert total is not None
     return unflatten(total, spec)
 
@@ -185,13 +197,26 @@ def sum_results(results: list[Any], chunks: list[int] | None = None) -> Any:
 def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None] | None]]) -> Any:
     """The sum of every element's result, one join node for its differentiable leaves."""
     records = [r for r, _ in chunks]
-    first = records[0].elements[0]
-    spec = first.spec
-    width = len(first.leaves)
+    first = records[0]
+    if first.results is not None:
+        spec, width = None, 1
+    else:
+        spec, width = first.elements[0].spec, len(first.elements[0].leaves)
     differentiable: set[int] = set()  # leaves that require grad in some element's result
     partial: list[Any] = []
     for r in records:
         totals: list[Any] | None = None
+        if r.results is not None and spec is None:  # NOTE [a chunk of bare tensors]
+            if r.results is r.outputs:
+                differentiable.add(0)
+            with torch.no_grad():  # the sum's own graph is the join
+                for i, y in zip(r.indices, r.results):
+                    if totals is not None:
+                        totals = _add(totals, [y], (i, i), (r.indices[0], i - 1))
+                    else:
+                        totals = [y.detach()]
+            partial.append(totals)
+            continue
         for el in r.elements:
             if el.spec != spec or len(el.leaves) != width:
                 raise ValueError(
@@ -211,7 +236,7 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
         partial.append(totals)
     sums = partial[0]
     for r, more in zip(records[1:], partial[1:]):
-        lo, hi = r.elements[0].index, r.elements[-1].index
+        lo, hi = r.first_index(), r.last_index()
         sums = _add(sums, more, (lo, hi), (0, lo - 1))
     diff = sorted(differentiable)
     layout = layout_of(records)
@@ -291,7 +316,10 @@ class _SumGraph(MapGraph):
 
         def chunk_cotangents(k: int) -> list[Tensor | None]:
             # The sum's cotangent for each element's leaves that require grad.
-            return [cotangents[place[j]] for el in records[k].elements for j in el.diff]
+            r = records[k]
+            if r.results is not None:
+                return [cotangents[place[0]]] * len(r.outputs)
+            return [cotangents[place[j]] for el in r.elements for j in el.diff]
 
         def recomputed(k: int) -> bool:
             # Early chunks' graphs are gone; others are kept unless remat dropped them.
