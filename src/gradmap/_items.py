@@ -9,13 +9,13 @@ without importing PyTorch (an object can only be a tensor if ``torch`` is alread
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from ._errors import add_note
 
-__all__ = ["TORCH_TENSORS", "ArrayKind", "zip_items"]
+__all__ = ["TORCH_TENSORS", "ArrayKind", "Singles", "zip_items"]
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,45 @@ TORCH_TENSORS = ArrayKind(
 )
 
 
+class Singles(Sequence[tuple[Any, ...]]):
+    """The argument tuples of a map over one iterable, kept as the list of its items.
+
+    A tuple per element would be one more object kept for the length of the map, which the
+    cyclic collector counts (NOTE [a chunk of bare tensors] in ``_torch/_chunk``); a rule's
+    hot loop calls ``f(items[i])`` on ``items`` directly, and anything else sees the tuples,
+    made as they are read.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[Any, ...]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[Any, ...]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[Any, ...] | list[tuple[Any, ...]]:
+        if isinstance(i, slice):
+            return [(x,) for x in self.items[i]]
+        return (self.items[i],)
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        return ((x,) for x in self.items)
+
+
 def zip_items(
     iterables: tuple[Iterable[Any], ...],
     strict: bool,
     *,
     api: str = "gradmap.tmap",
     arrays: ArrayKind = TORCH_TENSORS,
-) -> list[tuple[Any, ...]]:
+) -> Sequence[tuple[Any, ...]]:
     """The argument tuples of every element: ``list(zip(*iterables, strict=strict))`` with
     arrays iterated over their first dimension and clearer errors.
 
@@ -79,11 +111,9 @@ def zip_items(
             f"{api}(strict=True): the iterables have different lengths: {_describe(lengths)}"
         )
     if len(sources) == 1:
-        it: Iterable[tuple[Any, ...]] = ((x,) for x in sources[0])
-    else:
-        it = zip(*sources, strict=strict)
+        return Singles(_read(iter(sources[0]), api))
     elements: list[tuple[Any, ...]] = []
-    iterator = iter(it)
+    iterator = iter(zip(*sources, strict=strict))
     while True:
         try:
             element = next(iterator)
@@ -104,6 +134,22 @@ def zip_items(
             raise
         elements.append(element)
     return elements
+
+
+def _read(iterator: Iterator[Any], api: str) -> list[Any]:
+    """The items of one iterable, an error while reading one noted with its position."""
+    if isinstance(iterator, (type(iter([])), type(iter(())))):
+        return list(iterator)  # a list's or a tuple's: reading cannot fail
+    items: list[Any] = []
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return items
+        except Exception as exc:
+            _note_reading(exc, len(items), api)
+            raise
+        items.append(item)
 
 
 def _as_iterable(arg: Any, position: int, api: str, arrays: ArrayKind) -> Iterable[Any]:

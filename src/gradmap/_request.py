@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ class MapRequest:
     ``len(elements)``, and the call's options; ``api`` names the call in errors and notes."""
 
     f: Callable[..., Any]
-    elements: list[tuple[Any, ...]]
+    elements: Sequence[tuple[Any, ...]]
     executor: Executor
     plan: ChunkPlan
     api: str

@@ -40,4 +40,4 @@ def zip_jax_items(
     Returns:
         One tuple of items per element.
     """
-    return zip_items(iterables, strict, api=api, arrays=JAX_ARRAYS)
+    return list(zip_items(iterables, strict, api=api, arrays=JAX_ARRAYS))

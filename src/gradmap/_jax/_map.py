@@ -39,7 +39,7 @@ NOTE [under jit, the traced loop]:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .._errors import add_note, element_note
@@ -213,7 +213,7 @@ def _run(
     call: MapRequest,
     eager: Callable[[MapRequest], Any],
     vjp: Callable[[MapRequest, VjpTrace, Callable[[], Any]], Any],
-    loop: Callable[[Callable[..., Any], list[tuple[Any, ...]]], Any],
+    loop: Callable[[Callable[..., Any], Sequence[tuple[Any, ...]]], Any],
 ) -> Any:
     """The map or sum as the caller's mode asks (NOTE [three ways to run the map]): ``f`` itself
     on the workers, the rule under reverse mode (falling back to the loop), or the plain loop."""
@@ -278,7 +278,7 @@ def _not_threads(name: str, api: str) -> TypeError:
     )
 
 
-def _loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> list[Any]:
+def _loop(f: Callable[..., Any], elements: Sequence[tuple[Any, ...]]) -> list[Any]:
     """The plain loop, in the caller's thread and trace, with errors naming the element."""
     n = len(elements)
     results = []
@@ -291,7 +291,7 @@ def _loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> list[Any]:
     return results
 
 
-def _sum_loop(f: Callable[..., Any], elements: list[tuple[Any, ...]]) -> Any:
+def _sum_loop(f: Callable[..., Any], elements: Sequence[tuple[Any, ...]]) -> Any:
     """The plain loop's sum, in the caller's thread and trace, with errors naming the element."""
     import jax
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -134,7 +135,7 @@ class _Driver(JoinGraph):
         self.f = f if remat else None  # whose buffers the recomputes must leave as they are
         self.progress = progress
         self.box = transport.box(f_payload)
-        self.elements: list[tuple[Any, ...]] = []
+        self.elements: Sequence[tuple[Any, ...]] = []
         self.chunks = [_Chunk() for _ in range(plan.count)]
         self.inputs: list[int] = []  # the pids of the join's inputs
         self.outputs: list[Tensor] = []  # the join outputs, until the join is applied
@@ -194,7 +195,7 @@ class _Driver(JoinGraph):
         payload = record.items
         if payload is None:
             start, stop = self.plan.bounds(k)
-            chunk = self.elements[start:stop]
+            chunk = list(self.elements[start:stop])
             payload, found = items_cache.lookup(chunk)
             if payload is None:
                 try:
@@ -206,7 +207,7 @@ class _Driver(JoinGraph):
             record.items = payload
         return payload
 
-    def forward(self, elements: list[tuple[Any, ...]], method: str = "forward") -> list[Any]:
+    def forward(self, elements: Sequence[tuple[Any, ...]], method: str = "forward") -> list[Any]:
         """Run every chunk's forward; the results of each chunk, in chunk order: ``(trees,
         diff)``, or for a ``forward_sum`` chunk of losses ``(None, total)``."""
         plan = self.plan
@@ -414,7 +415,7 @@ def map_remote(request: MapRequest) -> Any:
     return sum_results(results, sizes, spans) if summed else results
 
 
-def _unpicklable(elements: list[tuple[Any, ...]], start: int, stop: int, api: str) -> str:
+def _unpicklable(elements: Sequence[tuple[Any, ...]], start: int, stop: int, api: str) -> str:
     """A note naming the first element whose items do not pickle."""
     for i in range(start, stop):
         try:

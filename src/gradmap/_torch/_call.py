@@ -5,7 +5,7 @@ placement]), a pass with its progress bar, a chunk's recompute.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ class MapCall:
     def __init__(self, request: MapRequest) -> None:
         f, elements, executor = request.f, request.elements, request.executor
         self.f: Callable[..., Any] | None = f
-        self.elements: list[tuple[Any, ...]] | None = elements
+        self.elements: Sequence[tuple[Any, ...]] | None = elements
         self.executor = executor
         self.plan = request.plan
         self.remat = remat = request.remat

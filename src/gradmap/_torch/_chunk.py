@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import torch
 
 from .._errors import add_note, element_note
+from .._items import Singles
 from .._tree import Spec, flatten, unflatten
 from ._graph import (
     BlockHooks,
@@ -197,6 +198,8 @@ def run_forward(
     compact: list[Tensor] | None = None
     elements_out = record._elements
     n = len(elements)
+    # A map over one iterable: f takes its items as they are (no tuple per element).
+    singles = elements.items if type(elements) is Singles else None
     lo = sequence_nr()
     last = None
     for i in indices:
@@ -206,7 +209,7 @@ def run_forward(
             random.element(i)
             last = i
         try:
-            y = f(*elements[i])
+            y = f(*elements[i]) if singles is None else f(singles[i])
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward", api))
             raise
