@@ -479,3 +479,58 @@ def test_parameters_are_told_apart_as_isinstance_does() -> None:
     ]
     assert [_is_parameter(t) for t in cases] == [isinstance(t, torch.nn.Parameter) for t in cases]
     assert [_is_parameter(t) for t in cases] == [False, False, True, True, True, True, True]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda i: torch.tensor(float(i)),  # 0-d losses
+        lambda i: torch.arange(6, dtype=torch.float64).reshape(2, 3) * i,  # rows
+        lambda i: torch.tensor([i, -i]),  # int64
+        lambda i: torch.tensor([i % 2 == 0]),  # bool
+        lambda i: torch.full((2,), float(i), dtype=torch.bfloat16),  # no numpy dtype
+        lambda i: torch.ones(i % 3 + 1),  # shapes that differ
+        lambda i: torch.tensor(float(i)) if i != 4 else None,  # a missing cotangent
+        lambda i: torch.ones(2, 2).t() * i,  # not contiguous
+    ],
+)
+def test_lists_of_small_tensors_travel_as_one_and_come_back_apart(make) -> None:
+    """NOTE [many small tensors travel as one]: the same values, each tensor its own (a write
+    into one leaves the others' versions as they were), pairs with pids too."""
+    from gradmap._remote._pickling import dumps_results, loads_results
+
+    tensors = [make(i) for i in range(12)]
+    pairs = [(100 + i, t) for i, t in enumerate(tensors) if t is not None]
+    got, got_pairs, few = loads_results(dumps_results((tensors, pairs, tensors[:3])))
+    for back, sent in ((got, tensors), (few, tensors[:3])):
+        assert len(back) == len(sent)
+        for a, b in zip(back, sent):
+            if b is None:
+                assert a is None
+            else:
+                assert type(a) is torch.Tensor and a.dtype == b.dtype
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [pid for pid, _ in got_pairs] == [pid for pid, _ in pairs]
+    for (_, a), (_, b) in zip(got_pairs, pairs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    versions = [t._version for t in got if t is not None]
+    got[0].copy_(got[0].clone())
+    assert [t._version for t in got if t is not None][1:] == versions[1:]
+    assert got[0]._version != versions[0]
+    assert got[0].data_ptr() != got[1].data_ptr()
+
+
+@pytest.mark.parametrize("ex", ["processes"])
+def test_a_result_written_in_place_leaves_the_others_backward_as_in_the_loop(ex) -> None:
+    w = torch.randn(3, requires_grad=True)
+    xs = torch.randn(16, 3)
+
+    def f(x):
+        return (x * w).sum()
+
+    def run(ys):
+        z = ys[1] * ys[1]  # saves ys[1]
+        ys[0].mul_(2)  # in the loop this leaves ys[1] alone
+        return torch.autograd.grad(z + ys[0], w)[0]
+
+    torch.testing.assert_close(run(gradmap.tmap(f, xs, executor=ex)), run(loop(f, xs)))

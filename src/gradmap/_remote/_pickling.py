@@ -355,11 +355,110 @@ class _PlainPickler(pickle.Pickler):
         return NotImplemented
 
 
+# NOTE [many small tensors travel as one]:
+#     A chunk's results, its cotangents and its gradients are most often one small tensor per
+#     element, all of one shape and dtype (a loss, a row); pickled one by one, each costs its
+#     sender ~2.2 us and its receiver ~1.7 us (``f(x) = x * 2`` on processes: four such
+#     crossings per element). So ``dumps_results`` sends a list of at least ``_ROWS_MIN`` plain
+#     CPU tensors of one shape and dtype (numpy's, as the bytes are read through numpy) -- the
+#     message itself, or a list in the message's tuple -- as one stacked tensor (0.3 us per
+#     element), and a list of ``(pid, gradient)`` pairs as the pids and one stacked tensor. The
+#     receiver gets the list back, each tensor its own (``from_numpy`` of a row: 0.6 us), with
+#     its own version counter, as separately pickled tensors are: a result written in place
+#     does not touch its neighbours' versions. Lists of anything else travel as before.
+
+#: The fewest tensors a list must hold to travel as one stacked tensor.
+_ROWS_MIN = 8
+
+
+class _Rows:
+    """A list of tensors of one shape and dtype, as one stacked tensor, while it travels."""
+
+    __slots__ = ("stacked",)
+
+    def __init__(self, stacked: Tensor) -> None:
+        self.stacked = stacked
+
+    def __reduce__(self) -> Any:
+        return _unstack, (self.stacked,)
+
+
+class _PidRows:
+    """A list of ``(pid, gradient)`` pairs, as the pids and the stacked gradients."""
+
+    __slots__ = ("pids", "stacked")
+
+    def __init__(self, pids: list[int], stacked: Tensor) -> None:
+        self.pids = pids
+        self.stacked = stacked
+
+    def __reduce__(self) -> Any:
+        return _unstack_pairs, (self.pids, self.stacked)
+
+
+def _unstack(stacked: Tensor) -> list[Tensor]:
+    """The tensors ``_Rows`` stacked, each a tensor of its own over the received bytes."""
+    array = stacked.numpy()
+    if array.ndim == 1:  # rows of 0-d tensors: numpy's iteration would give scalars
+        return [torch.from_numpy(array[i, ...]) for i in range(array.shape[0])]
+    return [torch.from_numpy(row) for row in array]
+
+
+def _unstack_pairs(pids: list[int], stacked: Tensor) -> list[tuple[int, Tensor]]:
+    return list(zip(pids, _unstack(stacked)))
+
+
+def _stacked(tensors: list[Any]) -> Tensor | None:
+    """``tensors`` stacked, if they are plain CPU tensors of one shape and a numpy dtype."""
+    first = tensors[0]
+    if type(first) is not Tensor or first.layout != torch.strided or first.is_nested:
+        return None
+    dtype = first.dtype
+    if _numpy_dtype(dtype) is _NO_NUMPY or first.device.type != "cpu":
+        return None
+    for t in tensors:
+        if type(t) is not Tensor or t.dtype != dtype:
+            return None
+    try:
+        with torch.no_grad():
+            stacked = torch.stack(tensors)
+    except RuntimeError:  # shapes, devices or layouts that differ
+        return None
+    return stacked if stacked.device.type == "cpu" and stacked.layout == torch.strided else None
+
+
+def _packed_list(items: list[Any]) -> Any:
+    if len(items) < _ROWS_MIN:
+        return items
+    first = items[0]
+    if type(first) is Tensor:
+        stacked = _stacked(items)
+        return items if stacked is None else _Rows(stacked)
+    pairs = type(first) is tuple and len(first) == 2 and type(first[1]) is Tensor
+    if pairs and all(type(p) is tuple and len(p) == 2 and type(p[0]) is int for p in items):
+        stacked = _stacked([g for _, g in items])
+        if stacked is not None:
+            return _PidRows([pid for pid, _ in items], stacked)
+    return items
+
+
+def _packed(obj: Any) -> Any:
+    """``obj`` with its lists of small tensors (itself, or in its tuple) stacked (NOTE [many
+    small tensors travel as one])."""
+    kind = type(obj)
+    if kind is list:
+        return _packed_list(obj)
+    if kind is tuple and any(type(x) is list for x in obj):
+        return tuple(_packed_list(x) if type(x) is list else x for x in obj)
+    return obj
+
+
 def dumps_results(obj: Any) -> bytes:
-    """Pickle ``obj`` with every tensor that requires grad detached (results, gradients)."""
+    """Pickle ``obj`` with every tensor that requires grad detached (results, gradients); its
+    lists of small tensors travel as one (NOTE [many small tensors travel as one])."""
     buffer = io.BytesIO()
     try:
-        _PlainPickler(buffer).dump(obj)
+        _PlainPickler(buffer).dump(_packed(obj))
     except Exception:
         buffer = io.BytesIO()
         _Pickler(buffer, None).dump(obj)
