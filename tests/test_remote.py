@@ -534,3 +534,26 @@ def test_a_result_written_in_place_leaves_the_others_backward_as_in_the_loop(ex)
         return torch.autograd.grad(z + ys[0], w)[0]
 
     torch.testing.assert_close(run(gradmap.tmap(f, xs, executor=ex)), run(loop(f, xs)))
+
+
+@pytest.mark.parametrize("ex", ["processes"])
+def test_items_that_require_grad_travel_as_one_with_the_loops_gradients(ex) -> None:
+    """NOTE [many small tensors travel as one]: a chunk of leaves (one twice), or of the rows of
+    a tensor made before the call, loads as the call's leaves: the loop's results and
+    gradients, a leaf passed twice counted twice."""
+    torch.manual_seed(8)
+    w = torch.randn(3, requires_grad=True)
+    a = torch.randn(16, 3, requires_grad=True)
+    leaves = [torch.randn(3, requires_grad=True) for _ in range(15)]
+    for items in ([*leaves, leaves[2]], a * 2):
+
+        def f(x):
+            return (x * w).tanh().sum()
+
+        got = gradmap.tmap(f, items, executor=ex, chunksize=16)
+        ref = loop(f, items)
+        close(got, ref)
+        wrt = [w, *leaves] if isinstance(items, list) else [w, a]
+        loss = lambda ys: sum((i + 1) * y for i, y in enumerate(ys))  # noqa: E731
+        have = torch.autograd.grad(loss(got), wrt, retain_graph=True)
+        close(have, torch.autograd.grad(loss(ref), wrt))

@@ -266,6 +266,7 @@ def dumps(obj: Any, table: TensorTable, share: bool = False) -> Payload:
     a dataset that is mapped over many times saves copying it for every call)."""
     sharer = table.share
     if not share:
+        obj = _leaf_rows(obj, table)  # NOTE [many small tensors travel as one]
         # Items: the standard pickler first (several times faster on many small objects than
         # cloudpickle, whose hooks run in Python for each), cloudpickle for what it refuses.
         buffer = io.BytesIO()
@@ -332,6 +333,46 @@ class _ItemsPickler(pickle.Pickler):
 _loading = threading.local()
 
 
+class _LeafRows:
+    """A chunk of items that are each one tensor that requires grad, all of one shape and dtype
+    (``tmap(f, xs)`` over leaves, or over the rows of a tensor made before the call): their
+    pids and their values stacked, loading as the chunk's list of 1-tuples of the call's leaves
+    (NOTE [many small tensors travel as one])."""
+
+    __slots__ = ("pids", "stacked")
+
+    def __init__(self, pids: list[int], stacked: Tensor) -> None:
+        self.pids = pids
+        self.stacked = stacked
+
+    def __reduce__(self) -> Any:
+        return _load_leaf_rows, (self.pids, self.stacked)
+
+
+def _load_leaf_rows(pids: list[int], stacked: Tensor) -> list[tuple[Tensor]]:
+    leaves: LeafTable | None = getattr(_loading, "leaves", None)
+    assert leaves is not None, "a payload with tensor ids loaded without a call"
+    return [(leaves.leaf(pid, value, False),) for pid, value in zip(pids, _unstack(stacked))]
+
+
+def _leaf_rows(obj: Any, table: TensorTable) -> Any:
+    """A chunk of items as ``_LeafRows`` where it is one, else as it is."""
+    if type(obj) is not list or len(obj) < _ROWS_MIN:
+        return obj
+    tensors = []
+    for item in obj:
+        if type(item) is not tuple or len(item) != 1:
+            return obj
+        t = item[0]
+        if type(t) is not Tensor or not t.requires_grad or _is_parameter(t):
+            return obj
+        tensors.append(t)
+    stacked = _stacked(tensors)
+    if stacked is None:
+        return obj
+    return _LeafRows([table.ref(t)[1] for t in tensors], stacked)
+
+
 def _item_leaf(number: int, value: Any, is_parameter: bool) -> Tensor:
     leaves: LeafTable | None = getattr(_loading, "leaves", None)
     assert leaves is not None, "a payload with tensor ids loaded without a call"
@@ -365,7 +406,10 @@ class _PlainPickler(pickle.Pickler):
 #     element), and a list of ``(pid, gradient)`` pairs as the pids and one stacked tensor. The
 #     receiver gets the list back, each tensor its own (``from_numpy`` of a row: 0.6 us), with
 #     its own version counter, as separately pickled tensors are: a result written in place
-#     does not touch its neighbours' versions. Lists of anything else travel as before.
+#     does not touch its neighbours' versions. Lists of anything else travel as before. A
+#     chunk of items that are each one tensor that requires grad (``tmap(f, xs)`` over leaves,
+#     or over the rows of a tensor made before the call) travels the same way, as its pids and
+#     the stacked values, and loads as the call's leaves (``_LeafRows``).
 
 #: The fewest tensors a list must hold to travel as one stacked tensor.
 _ROWS_MIN = 8
