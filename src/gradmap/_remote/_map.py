@@ -75,7 +75,7 @@ from .._torch._map import map_torch
 from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
 from .._torch._sum import sum_results
-from .._tree import fill_leaves, flatten, unflatten
+from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker
 from ._kept import KeptItems, items_cache
 from ._pickling import AsIs, TensorTable, dumps, dumps_results, loads_results
@@ -379,7 +379,8 @@ def map_remote(request: MapRequest) -> Any:
         return results
     # The join outputs, in chunk order, and each element's place for them (a tsum chunk of
     # losses is one "element": its sum).
-    placed: list[tuple[list[Any], Any, list[int]]] = []
+    # A chunk of bare tensors, each its element's one join output, is placed as its list.
+    placed: list[tuple[list[Any], Any, list[int]] | list[Tensor]] = []
     sizes: list[int] = []
     spans: list[tuple[int, int]] = []  # the elements each result stands for
     for k, (trees, diff) in enumerate(per_chunk):
@@ -393,6 +394,12 @@ def map_remote(request: MapRequest) -> Any:
         else:
             spans.extend((i, i) for i in range(first, first + len(trees)))
             call.chunks[k].diff = diff
+            if all(type(t) is Tensor for t in trees) and all(p == _FIRST for p in diff):
+                call.outputs += trees  # NOTE [a chunk of bare tensors]: no record per element
+                placed.append(trees)
+                sizes.append(len(trees))
+                call.chunks[k].outputs = (lo, len(call.outputs))
+                continue
             for tree, positions in zip(trees, diff):
                 leaves, spec_ = flatten(tree)
                 for pos in positions:
@@ -405,14 +412,42 @@ def map_remote(request: MapRequest) -> Any:
         # Nothing to differentiate through: the results stand as they came.
         call.release()
         call.outputs = []
-        results = [unflatten(leaves, spec_) for leaves, spec_, _ in placed]
+        results = _results(placed, None)
     else:
         joined = JoinNode.apply(call, *inputs)
         call.outputs = []  # the join's outputs are the results' now (no cycle through the join)
-        results = fill_leaves(placed, joined)
+        results = _results(placed, joined)
         if not any(c.owner >= 0 for c in call.chunks) and not remat:
             call.release()  # nothing is kept on the workers (tsum's chunks of losses)
     return sum_results(results, sizes, spans) if summed else results
+
+
+_FIRST = (0,)
+
+
+def _results(
+    placed: list[tuple[list[Any], Any, list[int]] | list[Tensor]],
+    joined: Sequence[Tensor] | None,
+) -> list[Any]:
+    """The results, each placed leaf replaced by the join's output for it (``joined``), in
+    turn; without a join, as they came."""
+    results: list[Any] = []
+    j = 0
+    for entry in placed:
+        if isinstance(entry, list):  # a chunk of bare tensors
+            if joined is None:
+                results += entry
+            else:
+                results += joined[j : j + len(entry)]
+            j += len(entry)
+            continue
+        leaves, spec_, positions = entry
+        if joined is not None:
+            for pos in positions:
+                leaves[pos] = joined[j]
+                j += 1
+        results.append(unflatten(leaves, spec_))
+    return results
 
 
 def _unpicklable(elements: Sequence[tuple[Any, ...]], start: int, stop: int, api: str) -> str:

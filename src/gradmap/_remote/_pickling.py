@@ -151,6 +151,7 @@ class TensorTable:
     def __init__(self, share: Share | None = None) -> None:
         self.tensors: list[Tensor] = []
         self._refs: dict[int, tuple[str, int, Any, bool]] = {}
+        self._numbers: dict[int, int] = {}
         self.share = share  # for ``f``'s payload only (``dumps(..., share=True)``)
 
     def ref(self, t: Tensor, share: Share | None = None) -> tuple[str, int, Any, bool]:
@@ -158,8 +159,7 @@ class TensorTable:
         holds ``t`` twice carries its value once (pickle memoizes the tuple)."""
         ref = self._refs.get(id(t))
         if ref is None:
-            pid = len(self.tensors)
-            self.tensors.append(t)  # also keeps id(t) from being reused
+            pid = self.number(t)
             value = None
             if share is not None and t.is_leaf:
                 value = share(t)
@@ -168,6 +168,18 @@ class TensorTable:
             ref = (_PID_TAG, pid, value, _is_parameter(t))
             self._refs[id(t)] = ref
         return ref
+
+
+    def number(self, t: Tensor) -> int:
+        """``t``'s pid, without the reference ``ref`` makes (a value travelling apart)."""
+        ref = self._refs.get(id(t))
+        if ref is not None:
+            return ref[1]
+        pid = self._numbers.get(id(t))
+        if pid is None:
+            pid = self._numbers[id(t)] = len(self.tensors)
+            self.tensors.append(t)  # also keeps id(t) from being reused
+        return pid
 
 
 class LeafTable:
@@ -370,7 +382,7 @@ def _leaf_rows(obj: Any, table: TensorTable) -> Any:
     stacked = _stacked(tensors)
     if stacked is None:
         return obj
-    return _LeafRows([table.ref(t)[1] for t in tensors], stacked)
+    return _LeafRows([table.number(t) for t in tensors], stacked)
 
 
 def _item_leaf(number: int, value: Any, is_parameter: bool) -> Tensor:
