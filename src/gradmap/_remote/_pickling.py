@@ -169,7 +169,6 @@ class TensorTable:
             self._refs[id(t)] = ref
         return ref
 
-
     def number(self, t: Tensor) -> int:
         """``t``'s pid, without the reference ``ref`` makes (a value travelling apart)."""
         ref = self._refs.get(id(t))
