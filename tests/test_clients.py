@@ -629,3 +629,39 @@ def test_remat_batchnorm_buffers_updated_once(ex):
     for name in ("weight", "bias"):
         got, want = getattr(bn_map, name).grad, getattr(bn_loop, name).grad
         torch.testing.assert_close(got, want, msg=f"{name}.grad")
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_an_f_that_starts_drawing_is_seeded_per_element_from_its_next_call(api):
+    """NOTE [random numbers per element]: after a first call that drew nothing, calls seed each
+    chunk once; the call in which ``f`` starts drawing has the right gradients, and from the
+    next call on every element draws from its own seed again, as the serial reference does."""
+    w = torch.linspace(0.5, 1.5, 4, dtype=F64, requires_grad=True)
+    xs = [torch.full((4,), float(i), dtype=F64) for i in range(12)]
+    drawing = [False]
+
+    def f(x: Tensor) -> Tensor:
+        y = x * w
+        if drawing[0]:
+            y = F.dropout(y, p=0.5, training=True)
+        return y.sum()
+
+    def run(executor: Any = None) -> tuple[Tensor, Tensor]:
+        torch.manual_seed(3)
+        if api == "tsum":
+            total = gradmap.tsum(f, xs, executor=executor, chunksize=4)
+        else:
+            total = torch.stack(gradmap.tmap(f, xs, executor=executor, chunksize=4)).sum()
+        (g,) = torch.autograd.grad(total, w)
+        return total.detach(), g
+
+    run()  # draws nothing: later calls seed each chunk once
+    run()
+    drawing[0] = True
+    total, g = run()  # starts drawing: not the per-element draws, but the loop's gradient of them
+    assert torch.isfinite(total) and torch.isfinite(g).all()
+    reference = run("serial")
+    for _ in range(2):
+        got = run()
+        torch.testing.assert_close(got[0], reference[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], reference[1])

@@ -275,3 +275,23 @@ def test_placement_forced_and_random():
     assert not first.many  # the first call learns whether f draws random numbers
     first.learned_random(True)
     assert not placement_for(h, forced_many=True, forced_one=False).many
+
+
+def test_placement_seeds_each_element_until_f_is_seen_to_draw_nothing():
+    """NOTE [random numbers per element]: the first call seeds every element (and learns);
+    later calls of an ``f`` that drew nothing seed each chunk once; a forced single thread
+    (the serial reference) and an ``f`` that drew seed every element."""
+
+    def quiet(x):
+        return x
+
+    def noisy(x):
+        return x
+
+    first = placement_for(quiet, forced_many=False, forced_one=False)
+    assert first.seeds_each
+    first.learned_random(False)
+    assert not placement_for(quiet, forced_many=False, forced_one=False).seeds_each
+    assert placement_for(quiet, forced_many=False, forced_one=True).seeds_each
+    placement_for(noisy, forced_many=False, forced_one=False).learned_random(True)
+    assert placement_for(noisy, forced_many=False, forced_one=False).seeds_each

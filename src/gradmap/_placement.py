@@ -145,6 +145,13 @@ class Placement:
             history.calls = 1  # the next two calls measure the pool, then one thread
             history.one = history.many = None
 
+    @property
+    def seeds_each(self) -> bool:
+        """Whether a forward in one thread seeds every element: unless ``f``'s first call, which
+        seeded each, saw it draw nothing (NOTE [random numbers per element])."""
+        history = self._history
+        return history is None or history.calls <= 1 or history.random
+
     def learned_random(self, drew: bool) -> None:
         if drew and self._history is not None:
             self._history.random = True

@@ -95,6 +95,7 @@ class MapCall:
         known = self.known if with_graph else None
         placement = self.placement
         seeded = None if placement.many else self.random
+        self.random.each = placement.seeds_each or self.remat  # a recompute replays each
 
         def forward_chunk(k: int, run: ChunkRun[ChunkRecord]) -> ChunkRecord:
             record = run_forward(

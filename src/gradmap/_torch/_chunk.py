@@ -205,8 +205,8 @@ def run_forward(
     for i in indices:
         if stop is not None and stop():
             break
-        if random is not None:
-            random.element(i)
+        if random is not None and (last is None or random.each):
+            random.element(i)  # NOTE [random numbers per element]
             last = i
         try:
             y = f(*elements[i]) if singles is None else f(singles[i])

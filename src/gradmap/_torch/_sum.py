@@ -68,6 +68,7 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
     f, elements, plan = call.f, call.elements, call.plan
     assert f is not None and elements is not None
     placement = call.placement
+    call.random.each = placement.seeds_each or call.remat  # a recompute replays each
 
     def forward(k: int, stopped: Callable[[], bool], seeded: MapRandom | None) -> ChunkRecord:
         return run_forward(
