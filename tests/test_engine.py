@@ -279,8 +279,8 @@ def test_placement_forced_and_random():
 
 def test_placement_seeds_each_element_until_f_is_seen_to_draw_nothing():
     """NOTE [random numbers per element]: the first call seeds every element (and learns);
-    later calls of an ``f`` that drew nothing seed each chunk once; a forced single thread
-    (the serial reference) and an ``f`` that drew seed every element."""
+    later calls of an ``f`` that drew nothing seed each chunk once, in a forced single thread
+    too (the serial executor); an ``f`` that drew seeds every element."""
 
     def quiet(x):
         return x
@@ -292,6 +292,9 @@ def test_placement_seeds_each_element_until_f_is_seen_to_draw_nothing():
     assert first.seeds_each
     first.learned_random(False)
     assert not placement_for(quiet, forced_many=False, forced_one=False).seeds_each
-    assert placement_for(quiet, forced_many=False, forced_one=True).seeds_each
+    alone = placement_for(quiet, forced_many=False, forced_one=True)  # (a history of its own)
+    assert alone.seeds_each and not alone.many
+    alone.learned_random(False)
+    assert not placement_for(quiet, forced_many=False, forced_one=True).seeds_each
     placement_for(noisy, forced_many=False, forced_one=False).learned_random(True)
     assert placement_for(noisy, forced_many=False, forced_one=False).seeds_each

@@ -161,8 +161,11 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
     """Choose where the forward of a map of ``f`` runs (NOTE [forward placement]). ``kind`` tells
     apart passes of one ``f`` that are timed differently (``tmap`` or ``tsum``, with a graph or
     without, ``remat``): each has a history of its own."""
-    if forced_one:
-        return Placement(False, None, False)
+    if forced_one:  # one thread, measuring nothing: a history only for the random numbers
+        with _lock:
+            history = _history_of(f, ("one", kind))
+            history.calls += 1
+        return Placement(False, history, False)
     with _lock:
         history = _history_of(f, kind)
         history.calls += 1

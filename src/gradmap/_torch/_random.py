@@ -29,8 +29,8 @@ NOTE [random numbers per element]:
     that did -- an ``f`` that starts drawing later (dropout after ``train()`` in a map of the
     same kind), or draws on elements the first call did not have -- drew that call from the
     chunk's seed on (right gradients, draws not the per-element ones), and is seeded per
-    element from its next call on. ``executor="serial"``, ``workers=1`` and worker processes
-    always seed every element.
+    element from its next call on. ``executor="serial"`` and ``workers=1`` follow the same rule
+    (with a history of their own); ``remat`` and worker processes seed every element always.
 """
 
 from __future__ import annotations
