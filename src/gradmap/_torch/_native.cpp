@@ -105,8 +105,14 @@ struct Walk {
   uint64_t thread, lo, hi;
   std::vector<Entry> entries;
   std::unordered_map<const Node*, size_t> leaf_entries;  // by accumulator
+  std::unordered_set<const Node*> plain_leaves;  // accumulators without hooks, met before
   std::map<std::pair<const Node*, uint32_t>, NodePtr> gates;
-  std::unordered_set<const Node*> seen;
+  // The inner nodes reached, by sequence number (each number is one node's, made in this
+  // thread in [lo, hi)); a node whose slot holds another node goes to ``seen_else``. A slot
+  // per number costs less than a hashed set's allocation per node (a GRU's graph: 0.26 ->
+  // 0.1 us per node).
+  std::vector<const Node*> seen;
+  std::unordered_set<const Node*> seen_else;
   std::vector<Node*> stack;
   std::vector<Place> to_leaves;  // edges to leaves, gated only if the chunk has non-leaf edges
   bool non_leaf = false;
@@ -115,6 +121,19 @@ struct Walk {
   // twice would get two (entries keyed by accumulator: two entries, its gradient counted
   // twice). Held here, every output that is that leaf finds the same one.
   std::vector<NodePtr> returned;
+
+  // Whether the inner node ``node`` is reached for the first time (and is now seen).
+  bool first_sight(const Node* node) {
+    auto& slot = seen[node->sequence_nr() - lo];
+    if (slot == nullptr) {
+      slot = node;
+      return true;
+    }
+    if (slot == node) {
+      return false;
+    }
+    return seen_else.insert(node).second;
+  }
 
   // The gate for the outside edge (node, nr), made on first sight (with its boundary entry, or
   // on the leaf's entry).
@@ -153,9 +172,13 @@ struct Walk {
   bool leaves_chunk(const Edge& edge, Place place) {
     Node* child = edge.function.get();
     if (is_inner(child, thread, lo, hi)) {
-      if (seen.insert(child).second) {
+      if (first_sight(child)) {
         stack.push_back(child);
       }
+      return false;
+    }
+    if (plain_leaves.count(child) != 0) {  // a leaf without hooks met before
+      to_leaves.push_back(place);
       return false;
     }
     if (auto* acc = dynamic_cast<AccumulateGrad*>(child)) {
@@ -166,6 +189,7 @@ struct Walk {
         return true;  // captured there, its hooks would run in the pullback
       }
       leaf(acc);
+      plain_leaves.insert(child);
       to_leaves.push_back(place);
       return false;
     }
@@ -188,6 +212,7 @@ void rewire(Place place, Edge to) {
 
 py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi) {
   Walk w{at::RecordFunction::currentThreadId(), lo, hi};
+  w.seen.assign(hi > lo ? hi - lo : 0, nullptr);
   std::vector<std::pair<size_t, at::Tensor>> roots;  // outputs replaced by a gated alias
   {
     py::gil_scoped_release no_gil;  // the walk touches no Python object

@@ -2,8 +2,8 @@
 
 NOTE [the native walk]:
     A chunk's boundary is read off its graph by ``_native.cpp``'s ``walk``, in C++ on PyTorch's
-    own autograd API, with no Python object per node (about 0.1 us a node where the Python walk
-    took 1-1.5 us) and without the GIL. It knows exactly which nodes the chunk made: autograd
+    own autograd API, with no Python object per node (about 0.03 us a node where the Python
+    walk took 1-1.5 us) and without the GIL. It knows exactly which nodes the chunk made: autograd
     gives every node the id of the thread that made it (``Node::thread_id``, never reused) and a
     number from that thread's counter (``sequence_nr``), and the chunk ran in one thread between
     two readings of that counter. So no tensor needs to be found in ``f``'s references or on the
