@@ -631,11 +631,18 @@ def test_remat_batchnorm_buffers_updated_once(ex):
         torch.testing.assert_close(got, want, msg=f"{name}.grad")
 
 
+@pytest.mark.parametrize("workers", [None, 2], ids=["placed", "pool"])
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
-def test_an_f_that_starts_drawing_is_seeded_per_element_from_its_next_call(api):
+def test_an_f_that_starts_drawing_is_seeded_per_element_from_its_next_call(
+    api, workers, monkeypatch
+):
     """NOTE [random numbers per element]: after a first call that drew nothing, calls seed each
-    chunk once; the call in which ``f`` starts drawing has the right gradients, and from the
-    next call on every element draws from its own seed again, as the serial reference does."""
+    chunk once (or run on the pool, unseeded); the call in which ``f`` starts drawing has the
+    right gradients, and from the next call on every element draws from its own seed again, as
+    the serial reference does."""
+    from gradmap import _placement
+
+    monkeypatch.setattr(_placement, "_history", {})  # f's code is the same in every case
     w = torch.linspace(0.5, 1.5, 4, dtype=F64, requires_grad=True)
     xs = [torch.full((4,), float(i), dtype=F64) for i in range(12)]
     drawing = [False]
@@ -648,10 +655,13 @@ def test_an_f_that_starts_drawing_is_seeded_per_element_from_its_next_call(api):
 
     def run(executor: Any = None) -> tuple[Tensor, Tensor]:
         torch.manual_seed(3)
+        kwargs: dict[str, Any] = {"chunksize": 4, "executor": executor}
+        if executor is None:
+            kwargs["workers"] = workers
         if api == "tsum":
-            total = gradmap.tsum(f, xs, executor=executor, chunksize=4)
+            total = gradmap.tsum(f, xs, **kwargs)
         else:
-            total = torch.stack(gradmap.tmap(f, xs, executor=executor, chunksize=4)).sum()
+            total = torch.stack(gradmap.tmap(f, xs, **kwargs)).sum()
         (g,) = torch.autograd.grad(total, w)
         return total.detach(), g
 

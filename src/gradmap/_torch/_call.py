@@ -18,7 +18,7 @@ from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
 from ._graph import Known
 from ._native import native
-from ._random import MapRandom
+from ._random import MapRandom, moved_by
 from ._state import ThreadState
 from ._swaps import guard_parameter_swaps
 
@@ -116,7 +116,10 @@ class MapCall:
                 return self.run_pass("forward", forward_chunk, executor=self.one_thread())
 
         if placement.many:
-            records = placement.timed(lambda: self.run_pass("forward", forward_chunk), self.n)
+            records, drew = moved_by(
+                lambda: placement.timed(lambda: self.run_pass("forward", forward_chunk), self.n)
+            )
+            placement.learned_random(drew)
         else:
             records = placement.timed(one_thread, self.n)
         placement.learned_random(self.random.drew)

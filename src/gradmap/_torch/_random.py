@@ -14,7 +14,9 @@ NOTE [random numbers per element]:
     that maps called from several threads at once do not seed over each other. A forward spread
     over the pool does not seed; it is chosen only for an ``f`` that drew nothing in its first
     call (an ``f`` that draws on some elements only may be missed; its draws on the pool are then
-    not reproducible, its gradients still right). Whether a chunk drew is checked after its last
+    not reproducible, its gradients still right); a pass on the pool that moved the global
+    generator (``f`` drew, or another thread of the process did) sends the next calls to one
+    thread, seeded per element (``moved_by``). Whether a chunk drew is checked after its last
     element. A recompute (``remat=True``, ``create_graph=True``) of an ``f`` known to draw
     replays the seeds one chunk at a time under the lock; one whose results differ from the
     forward's is retried that way before it is called non-deterministic.
@@ -36,15 +38,16 @@ NOTE [random numbers per element]:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
+from typing import TypeVar
 
 import torch
 
 from .._engine import on_a_chunk
 
-__all__ = ["SEEDING", "MapRandom"]
+__all__ = ["SEEDING", "MapRandom", "moved_by"]
 
 SEEDING = threading.RLock()
 
@@ -75,6 +78,18 @@ def _drew_since_seeding(seed: int) -> bool:
     if _LAYOUT_KNOWN:
         return not torch.equal(_position(state), _SEEDED)
     return not torch.equal(state, torch.Generator().manual_seed(seed).get_state())
+
+
+T = TypeVar("T")
+
+
+def moved_by(run: Callable[[], T]) -> tuple[T, bool]:
+    """``run()``, and whether the global generator moved meanwhile (about 4 us): a forward on
+    the pool, which seeds nothing, learns so that ``f`` draws."""
+    generator = torch.default_generator
+    before = generator.get_state()
+    out = run()
+    return out, not torch.equal(before, generator.get_state())
 
 
 class MapRandom:

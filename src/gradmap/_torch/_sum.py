@@ -20,7 +20,7 @@ from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum,
 from ._graph import Known, hooked, transforms_active
 from ._map import MapGraph, map_torch
 from ._node import JoinNode, layout_of
-from ._random import MapRandom
+from ._random import MapRandom, moved_by
 from ._state import ThreadState
 
 __all__ = ["sum_results", "sum_torch"]
@@ -145,7 +145,10 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
         def both(k: int, run: ChunkRun[Any]) -> Any:
             return early(k, forward(k, lambda: run.stopped(k), None))
 
-        out = placement.timed(lambda: call.run_pass("forward", both), call.n)
+        out, drew = moved_by(
+            lambda: placement.timed(lambda: call.run_pass("forward", both), call.n)
+        )
+        placement.learned_random(drew)
     else:
         out = placement.timed(pipeline, call.n)
     placement.learned_random(call.random.drew)
