@@ -16,7 +16,10 @@ each variant's gradient can be checked against the plain loop's.
   each claiming chunks of elements, running their forward and ``torch.autograd.grad`` of their
   summed loss to the parameters, the threads' gradients added at the end; one intra-op thread.
   What the interpreter allows a map of ``f`` on threads: how close ``tmap``/``tsum`` come to it.
-- ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads).
+- ``serial``: ``gradmap.tmap(f, items, executor="serial")`` (the map's machinery, no threads),
+  with ``torch.set_num_threads(1)`` as ``loop1``: against ``loop1`` it is gradmap's own work,
+  whatever two intra-op threads do to the element (a GRU's forward is slower on two, ragged
+  bags' faster).
 - ``remat``: ``gradmap.tmap(f, items, remat=True)``: no graph kept; the backward recomputes.
 - ``vmap``: ``torch.func.vmap`` over a padded and masked batch (bags only).
 - ``tmap:W`` and ``tmap-proc:W``: ``tmap`` with ``workers=W`` on threads and on processes (the
@@ -257,7 +260,7 @@ def build_variants(
             variants.append(Variant(name, _raw_threads_loss(workers), intra_op_threads=1))
         elif name == "serial":
             assert tmap is not None
-            variants.append(Variant(name, _tmap_loss(tmap, "serial", None)))
+            variants.append(Variant(name, _tmap_loss(tmap, "serial", None), intra_op_threads=1))
         elif name == "remat":
             assert tmap is not None
             variants.append(
