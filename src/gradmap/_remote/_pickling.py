@@ -344,22 +344,6 @@ class _ItemsPickler(pickle.Pickler):
 _loading = threading.local()
 
 
-class _LeafRows:
-    """A chunk of items that are each one tensor that requires grad, all of one shape and dtype
-    (``tmap(f, xs)`` over leaves, or over the rows of a tensor made before the call): their
-    pids and their values stacked, loading as the chunk's list of 1-tuples of the call's leaves
-    (NOTE [many small tensors travel as one])."""
-
-    __slots__ = ("pids", "stacked")
-
-    def __init__(self, pids: list[int], stacked: Tensor) -> None:
-        self.pids = pids
-        self.stacked = stacked
-
-    def __reduce__(self) -> Any:
-        return _load_leaf_rows, (self.pids, self.stacked)
-
-
 def _load_leaf_rows(pids: list[int], stacked: Tensor) -> list[tuple[Tensor]]:
     leaves: LeafTable | None = getattr(_loading, "leaves", None)
     assert leaves is not None, "a payload with tensor ids loaded without a call"
@@ -367,7 +351,10 @@ def _load_leaf_rows(pids: list[int], stacked: Tensor) -> list[tuple[Tensor]]:
 
 
 def _leaf_rows(obj: Any, table: TensorTable) -> Any:
-    """A chunk of items as ``_LeafRows`` where it is one, else as it is."""
+    """A chunk of items that are each one tensor that requires grad, all of one shape and dtype
+    (``tmap(f, xs)`` over leaves, or over the rows of a tensor made before the call), as their
+    pids and their values stacked, loading as the chunk's list of 1-tuples of the call's leaves
+    (NOTE [many small tensors travel as one]); any other chunk as it is."""
     if type(obj) is not list or len(obj) < _ROWS_MIN:
         return obj
     tensors = []
@@ -381,7 +368,7 @@ def _leaf_rows(obj: Any, table: TensorTable) -> Any:
     stacked = _stacked(tensors)
     if stacked is None:
         return obj
-    return _LeafRows([table.number(t) for t in tensors], stacked)
+    return _PidRows(_load_leaf_rows, [table.number(t) for t in tensors], stacked)
 
 
 def _item_leaf(number: int, value: Any, is_parameter: bool) -> Tensor:
@@ -420,7 +407,7 @@ class _PlainPickler(pickle.Pickler):
 #     does not touch its neighbours' versions. Lists of anything else travel as before. A
 #     chunk of items that are each one tensor that requires grad (``tmap(f, xs)`` over leaves,
 #     or over the rows of a tensor made before the call) travels the same way, as its pids and
-#     the stacked values, and loads as the call's leaves (``_LeafRows``).
+#     the stacked values, and loads as the call's leaves (``_PidRows``).
 
 #: The fewest tensors a list must hold to travel as one stacked tensor.
 _ROWS_MIN = 8
@@ -439,16 +426,18 @@ class _Rows:
 
 
 class _PidRows:
-    """A list of ``(pid, gradient)`` pairs, as the pids and the stacked gradients."""
+    """Tensors of one shape and dtype, stacked, each with its pid, while they travel; ``load``
+    makes them again on the other side: ``(pid, gradient)`` pairs, or a chunk's leaf items."""
 
-    __slots__ = ("pids", "stacked")
+    __slots__ = ("load", "pids", "stacked")
 
-    def __init__(self, pids: list[int], stacked: Tensor) -> None:
+    def __init__(self, load: Callable[[list[int], Tensor], Any], pids: list[int], stacked: Tensor):
+        self.load = load
         self.pids = pids
         self.stacked = stacked
 
     def __reduce__(self) -> Any:
-        return _unstack_pairs, (self.pids, self.stacked)
+        return self.load, (self.pids, self.stacked)
 
 
 def _unstack(stacked: Tensor) -> list[Tensor]:
@@ -493,7 +482,7 @@ def _packed_list(items: list[Any]) -> Any:
     if pairs and all(type(p) is tuple and len(p) == 2 and type(p[0]) is int for p in items):
         stacked = _stacked([g for _, g in items])
         if stacked is not None:
-            return _PidRows([pid for pid, _ in items], stacked)
+            return _PidRows(_unstack_pairs, [pid for pid, _ in items], stacked)
     return items
 
 
