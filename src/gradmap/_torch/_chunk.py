@@ -107,15 +107,10 @@ class ChunkRecord:
     def __init__(self) -> None:
         self._elements: list[ElementResult] | None = []
         self.indices: list[int] = []  # the compact chunk's elements
-        self.results: list[Tensor] | None = None  # the compact chunk's results, if compact
+        self.results: list[Tensor] | None = None  # a compact chunk's results; None: general
         self.outputs: list[Tensor] = []
         self.boundary: Boundary = Boundary()
         self.stored = False  # whether ``outputs`` still carry the chunk's graph
-
-    @property
-    def compact(self) -> bool:
-        """Whether the chunk is kept compact (NOTE [a chunk of bare tensors])."""
-        return self.results is not None
 
     @property
     def elements(self) -> list[ElementResult]:
