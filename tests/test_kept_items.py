@@ -184,3 +184,70 @@ def test_a_chunk_found_by_ids_is_checked_value_by_value(before: Any, after: Any)
     assert cache.keep((ident, atoms, tensors), b"payload") is not None
     assert cache.lookup(new)[0] is None
     assert cache.lookup([(t, before)])[0] is None  # other ids: not found either
+
+
+# -- NOTE [kept items cross to a worker process once] ---------------------------------------------
+
+
+def test_kept_items_cross_to_a_worker_once(ex: Any) -> None:
+    # One worker process runs every chunk: the second map over the same items sends their
+    # keys, not their bytes (the items are ~200 KB; a map's other arguments a few KB). ``ex``
+    # registers this module for pickling by value.
+    alone = gradmap.ProcessExecutor(workers=1, caller_helps=False, timeout=120)
+    model = _model()
+    g = torch.Generator().manual_seed(1)
+    bags = [Bag(torch.randn(200, 3, generator=g), 1.0) for _ in range(64)]
+    worker = alone._pool().ensure(1)[0]
+    sent = []
+    for _ in range(3):
+        before = worker.sent_bytes
+        _check(alone, model, bags, "tmap")
+        sent.append(worker.sent_bytes - before)
+    items_bytes = sum(b.x.numel() * b.x.element_size() for b in bags)
+    assert sent[0] > items_bytes
+    assert sent[1] < items_bytes / 10 and sent[2] < items_bytes / 10
+    kept = [entry.items.key for entry in items_cache._entries.values()]
+    assert len(kept) == 64 and all(key in worker.held for key in kept)
+
+
+def test_a_replaced_worker_is_sent_the_items_again(ex: Any) -> None:
+    model, bags = _model(), _bags(40)
+    _check(ex, model, bags)
+    _check(ex, model, bags)  # kept, and held by the worker
+    worker = ex._pool().ensure(1)[0]
+    worker.process.kill()
+    worker.process.wait()
+    for _ in range(2):  # the first finds the worker gone (its chunks rerun), then a new one
+        _check(ex, model, bags)
+    _check(ex, model, bags, "tmap")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_caller_s_account_keeps_step_with_the_worker(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    # Random sizes around a small budget: every key the account sends alone is held on the
+    # other side (the worker's side is what unpickling the message does), with its payload.
+    import pickle
+    import random
+
+    from gradmap._remote import _kept
+
+    budget = 5000
+    monkeypatch.setattr(_kept, "held_payloads", _kept.HeldPayloads(budget))
+    account = _kept.PayloadAccount(budget)
+    rng = random.Random(seed)
+    pool = [
+        _kept.KeptItems(k, bytes([k % 256]) * rng.choice([1, 400, 1500, 4000, 6000]))
+        for k in range(12)
+    ]
+    refs = 0
+    for _ in range(400):
+        message = [account.wire(rng.choice(pool)) for _ in range(rng.randint(1, 4))]
+        refs += sum(type(m).__name__ == "_HeldRef" for m in message)
+        got = pickle.loads(pickle.dumps(message))
+        for sent, items in zip(message, got):
+            key = sent.key if hasattr(sent, "key") else sent.items.key
+            assert items.key == key and items.payload == pool[key].payload
+    assert refs > 100
+    assert len(_kept.held_payloads) == len(account._held.entries)

@@ -13,6 +13,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from .._placement import learn_caller_seconds
+from .._remote._kept import KeptItems
 from .._remote._pickling import Payload
 from .._remote._schedule import Transport, WorkerLost
 from ._host import PAYLOADS_KEPT
@@ -100,6 +101,11 @@ class ProcessTransport(Transport):
         except (OSError, EOFError):
             w.died()
             call.lost = call.done = True
+        except BaseException:
+            # Not written (a message that would not pickle): the account of what the worker
+            # holds may already count it, so this worker is replaced rather than trusted.
+            w.died()
+            raise
         return call
 
     def _prepare(self, w: Worker, arg: Any) -> Any:
@@ -107,12 +113,16 @@ class ProcessTransport(Transport):
         the worker does not keep it. Items (``Payload``, in a list of chunks) may name shared
         storages too."""
         if isinstance(arg, list):
+            wired = []
             for chunk in arg:
                 if isinstance(chunk, tuple):
                     for part in chunk:
                         if isinstance(part, Payload) and part.keys:
                             self._share(w, part.keys)
-            return arg
+                    # NOTE [kept items cross to a worker process once] (``_remote/_kept.py``)
+                    chunk = tuple(w.held.wire(p) if type(p) is KeptItems else p for p in chunk)
+                wired.append(chunk)
+            return wired
         if not isinstance(arg, _Box):
             return arg
         self._share(w, arg.keys)

@@ -45,6 +45,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._errors import add_note
+from .._remote._kept import PayloadAccount
 from ._shared import Sharer
 
 __all__ = ["CallInFlight", "Pool", "Worker", "get_pool", "shutdown_pools"]
@@ -112,6 +113,8 @@ class Worker:
         self.writer.start()
         self.alive = True
         self.payloads: OrderedDict[bytes, None] = OrderedDict()  # mirrors the worker's cache
+        self.held = PayloadAccount()  # NOTE [kept items cross to a worker process once]
+        self.sent_bytes = 0  # of the calls written to the worker (for tests and the curious)
         self.storages: set[tuple[int, int]] = set()
         self.send(("init", {"path": list(sys.path), "cwd": os.getcwd(), "threads": threads}))
 
@@ -121,6 +124,7 @@ class Worker:
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message[1] if message[0] == "init" else message, protocol=5)
+        self.sent_bytes += len(data)
         # The framing of ``multiprocessing.connection.Connection``, which the worker reads with.
         if len(data) > 0x7FFFFFFF:
             header = struct.pack("!i", -1) + struct.pack("!Q", len(data))

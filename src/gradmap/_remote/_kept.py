@@ -23,13 +23,29 @@ NOTE [items kept from call to call]:
     A host (a worker, or the caller's own host) keeps the items it unpickled from a kept
     payload, by key, and hands ``f`` the same objects at the next call with that key, unless one
     of their tensors was written in place (its version changed: ``f`` wrote into its items) --
-    then it unpickles the payload again, which every call carries. Nothing has to be told back to
-    the caller, so concurrent maps on one worker need no bookkeeping between them. (A write
+    then it unpickles the payload again, which every call carries (a worker process holds it:
+    NOTE [kept items cross to a worker process once]). Nothing has to be told back to the
+    caller, so concurrent maps on one worker need no bookkeeping between them. (A write
     that bypasses the version counter, ``x.data`` or numpy inside ``f``, is not seen there; it
     changes a worker's copy, which in the loop would have changed the caller's items.)
 
     Both sides keep at most ``KEPT_BYTES`` of payloads, least recently used out first; the
     caller drops a chunk's entry as soon as one of its tensors is freed.
+
+NOTE [kept items cross to a worker process once]:
+    A kept payload still crossed the socket at every call (ragged bags: 7 MB a call, copied
+    four times on the way: pickled into the message, through the socket, read, unpickled). A
+    worker process now holds the payloads it was sent ([`HeldPayloads`][], by key, at most
+    ``KEPT_BYTES``), and the caller keeps per worker an account of them ([`PayloadAccount`][]):
+    the first call sends a chunk's payload (``_ToHold``), the calls after send its key alone
+    (``_HeldRef``). The account is exact by construction: both sides are the same LRU with the
+    same budget and the same sizes, and both are touched at the same points in the same order
+    -- the caller as it writes a call to the worker (under the worker's lock, so message order),
+    the worker as it *unpickles* that message (its main loop, one message after another, before
+    anything in the call can fail). A payload over the budget is never held on either side (it
+    travels whole every time). A worker that dies takes its payloads with it, and its
+    replacement starts with an empty account. The caller's own host and Ray's actors get the
+    payload with every call as before (the caller's host in place, with nothing copied).
 """
 
 from __future__ import annotations
@@ -39,13 +55,22 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ._pickling import LeafTable, loads
 
-__all__ = ["KEPT_BYTES", "ItemsCache", "KeptItems", "KeptOnHost", "items_cache"]
+__all__ = [
+    "KEPT_BYTES",
+    "HeldPayloads",
+    "ItemsCache",
+    "KeptItems",
+    "KeptOnHost",
+    "PayloadAccount",
+    "held_payloads",
+    "items_cache",
+]
 
 Tensor = torch.Tensor
 
@@ -66,6 +91,121 @@ class KeptItems:
 
     def __reduce__(self) -> Any:
         return KeptItems, (self.key, self.payload)
+
+
+class _LRU:
+    """Sizes by key, least recently used first, at most ``budget`` in all: the one rule both
+    sides of NOTE [kept items cross to a worker process once] follow."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.size = 0
+        self.entries: OrderedDict[int, Any] = OrderedDict()
+
+    def touch(self, key: int) -> bool:
+        """Whether ``key`` is held; if so, it is now the most recently used."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return True
+        return False
+
+    def add(self, key: int, size: int, value: Any) -> bool:
+        """Hold ``value`` under ``key`` (least recently used out, past the budget); ``False``
+        if it is over the budget alone (not held)."""
+        if size > self.budget:
+            return False
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.size -= old[0]
+        self.entries[key] = (size, value)
+        self.size += size
+        while self.size > self.budget:
+            self.size -= self.entries.popitem(last=False)[1][0]
+        return True
+
+
+class PayloadAccount:
+    """The caller's account of the kept payloads one worker process holds (NOTE [kept items
+    cross to a worker process once]); used under the worker's lock, as calls are written."""
+
+    def __init__(self, budget: int = KEPT_BYTES) -> None:
+        self._held = _LRU(budget)
+
+    def wire(self, items: KeptItems) -> Any:
+        """What travels for ``items`` in the call being written: its key, if the worker holds
+        the payload; else the payload, for the worker to hold."""
+        if self._held.touch(items.key):
+            return _HeldRef(items.key)
+        if self._held.add(items.key, len(items.payload), None):
+            return _ToHold(items)
+        return items
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._held.entries
+
+
+class HeldPayloads:
+    """The kept payloads a worker process holds, by key (NOTE [kept items cross to a worker
+    process once]); touched only while a message is unpickled."""
+
+    def __init__(self, budget: int = KEPT_BYTES) -> None:
+        self._held = _LRU(budget)
+        self._lock = threading.Lock()
+
+    def hold(self, key: int, payload: bytes) -> KeptItems:
+        items = KeptItems(key, payload)
+        with self._lock:
+            self._held.add(key, len(payload), items)
+        return items
+
+    def get(self, key: int) -> KeptItems:
+        with self._lock:
+            if self._held.touch(key):
+                return cast(KeptItems, self._held.entries[key][1])
+        raise RuntimeError(
+            "gradmap: a worker process was sent the key of a chunk's items that it does not "
+            "hold (the caller's account of its payloads is out of step). This is a bug in "
+            "gradmap; please report it. executor='threads' is not affected."
+        )
+
+    def __len__(self) -> int:
+        return len(self._held.entries)
+
+
+held_payloads = HeldPayloads()
+
+
+def _hold(key: int, payload: bytes) -> KeptItems:
+    return held_payloads.hold(key, payload)
+
+
+def _held(key: int) -> KeptItems:
+    return held_payloads.get(key)
+
+
+class _ToHold:
+    """A kept payload sent to a worker process that is to hold it: it unpickles as the
+    ``KeptItems``, held."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: KeptItems) -> None:
+        self.items = items
+
+    def __reduce__(self) -> Any:
+        return _hold, (self.items.key, self.items.payload)
+
+
+class _HeldRef:
+    """The key of a payload the worker process holds: it unpickles as the held ``KeptItems``."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def __reduce__(self) -> Any:
+        return _held, (self.key,)
 
 
 def _flatten(obj: Any, atoms: list[Any], tensors: list[Tensor]) -> bool:
