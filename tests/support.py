@@ -245,17 +245,20 @@ def settle_threads(
     the thread count: the baseline."""
     n = _executors.available_cores() if workers is None else workers
     gradmap.tmap(lambda i: torch.ones(1) * i, range(2 * n), workers=workers)
-    pool = _executors._shared_pool(n)  # the pool behind executor="threads"
-    spawn_all(pool)
-    for p in user_pools:
+    pools = _executors.shared_pools(n)  # the pools behind executor="threads"
+    for p in (*pools, *user_pools):
         spawn_all(p)
     stop = time.monotonic() + 10
     while time.monotonic() < stop:
-        ours = [t for t in threading.enumerate() if t.name.startswith("gradmap")]
-        if len(ours) <= pool._max_workers:  # type: ignore[attr-defined]
+        if len(gradmap_threads()) <= sum(p._max_workers for p in pools):  # type: ignore[attr-defined]
             break
         time.sleep(0.01)
     return threading.active_count()
+
+
+def gradmap_threads() -> list[threading.Thread]:
+    """The threads of gradmap's pools alive now."""
+    return [t for t in threading.enumerate() if t.name.startswith("gradmap")]
 
 
 def assert_threads_back(baseline: int, timeout: float = 5.0) -> None:

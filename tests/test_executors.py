@@ -156,3 +156,44 @@ def test_intra_op_budget_inside_workers(executor):
     seen = gradmap.tmap(lambda i: torch.get_num_threads(), range(8), executor=executor, chunksize=1)
     # The serial reference runs as the caller's loop would; pools use one intra-op thread.
     assert set(seen) == ({torch.get_num_threads()} if executor == "serial" else {1})
+
+
+@deadline(60)
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_pullbacks_run_on_threads_that_ran_no_forward(workers: int, api: str) -> None:
+    # NOTE [pullbacks on threads of their own]: a chunk's graph is freed where no forward
+    # allocates. (tsum pulls back during the forward; results that are not losses wait for
+    # the sum's backward, which runs as tmap's does.)
+    seen: dict[str, set[str]] = {"forward": set(), "backward": set()}
+
+    class Mark(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            seen["forward"].add(threading.current_thread().name)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            seen["backward"].add(threading.current_thread().name)
+            return g
+
+    w = torch.linspace(0.5, 1.5, 3, requires_grad=True)
+
+    def f(i: int) -> torch.Tensor:
+        return Mark.apply(w * i).sin()  # not a loss: tsum pulls it back in its backward
+
+    want = sum(torch.autograd.grad(f(i).sum(), w)[0] for i in range(16))
+    seen["forward"].clear()
+    seen["backward"].clear()
+    for _ in range(3):  # the first calls measure where the forward runs
+        if api == "tmap":
+            total = torch.stack(gradmap.tmap(f, range(16), workers=workers)).sum()
+        else:
+            total = gradmap.tsum(f, range(16), workers=workers).sum()
+        (g,) = torch.autograd.grad(total, w)
+        torch.testing.assert_close(g, want)
+    assert seen["forward"] and all(n.startswith("gradmap_") for n in seen["forward"]), seen
+    assert seen["backward"] and all(n.startswith("gradmap-pullback_") for n in seen["backward"]), (
+        seen
+    )

@@ -68,7 +68,7 @@ def measured(
         # collection, 7 after a collection and then a no-op on every pool thread. With the GIL
         # the check runs without either, so a graph kept alive by a reference cycle fails it.
         gc.collect()
-        for pool in (_executors._shared_pool(_executors.available_cores()), *pools):
+        for pool in (*_executors.shared_pools(_executors.available_cores()), *pools):
             spawn_all(pool)
     after = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
     figures.update({f"{k}_before": v for k, v in before.items()})

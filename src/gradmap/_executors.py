@@ -95,6 +95,11 @@ class Executor:
         that is working on a chunk of another map always does, whatever this says)."""
         return self.caller_helps
 
+    def for_pullbacks(self) -> Executor:
+        """Where the pullbacks of a backward pass run, given that the chunks' forwards ran here
+        (NOTE [pullbacks on threads of their own]): this executor, but for gradmap's pool."""
+        return self
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(workers={self.workers})"
 
@@ -113,8 +118,23 @@ class SerialExecutor(Executor):
         raise AssertionError("the serial executor has no helpers")
 
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_size = 0
+# NOTE [pullbacks on threads of their own]:
+#     A chunk's graph lives in the memory of the thread that ran its forward: glibc's malloc
+#     gives each thread an arena of its own, and a block goes back to the arena it came from,
+#     under that arena's lock. When the pullbacks ran on the pool threads that had run the
+#     forwards, each pullback freed the saved tensors of chunks made by the other thread into
+#     that thread's arena while that thread allocated its own pullback's tensors from it: the
+#     two threads took turns on one lock (``__lll_lock_wait_private`` under ``free`` was the
+#     largest native frame of a per-sequence GRU's backward, sampled with py-spy). Measured
+#     without gradmap on 2 cores, two persistent threads pulling back 64 GRU chunks took 245-290
+#     ms after forwards run on one of them, and 193-211 ms after forwards in a third thread
+#     (trees: 173-199 ms against 146). So the backward passes of ``tmap`` on gradmap's pool run
+#     on a second pool of threads that run no forward: their own allocations never meet the
+#     frees of the graphs. (``tsum`` pulls each chunk back in the thread that ran its forward, or
+#     keeps the graph for its producer to free: NOTE [graphs freed by the producer].) A user's
+#     executor runs both passes on its own threads, as its owner chose.
+_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_pool_sizes: dict[str, int] = {}
 _pool_lock = threading.Lock()
 _pool_thread = threading.local()
 
@@ -128,28 +148,35 @@ def in_gradmap_pool() -> bool:
     return getattr(_pool_thread, "is_gradmap", False)
 
 
-def _shared_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool, with at least ``threads`` threads.
+def _shared_pool(threads: int, role: str = "gradmap") -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide pool of ``role`` (``"gradmap"``, or ``"gradmap-pullback"``: NOTE
+    [pullbacks on threads of their own]), with at least ``threads`` threads.
 
     Created on first use and reused after; a call that needs more threads than it has replaces it
     with a larger one (the old one finishes what it was given and its threads exit). Threads start
     lazily, as the pool needs them, and are joined at interpreter exit.
     """
-    global _pool, _pool_size
-    pool = _pool
-    if pool is not None and _pool_size >= threads:
+    pool = _pools.get(role)
+    if pool is not None and _pool_sizes[role] >= threads:
         return pool
     with _pool_lock:
-        if _pool is None or _pool_size < threads:
-            old, _pool_size = _pool, max(threads, _pool_size)
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_pool_size,
-                thread_name_prefix="gradmap",
+        pool = _pools.get(role)
+        if pool is None or _pool_sizes[role] < threads:
+            old = pool
+            size = _pool_sizes[role] = max(threads, _pool_sizes.get(role, 0))
+            pool = _pools[role] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=size,
+                thread_name_prefix=role,
                 initializer=_mark_pool_thread,
             )
             if old is not None:
                 old.shutdown(wait=False)
-        return _pool
+        return pool
+
+
+def shared_pools(threads: int) -> list[concurrent.futures.ThreadPoolExecutor]:
+    """Both of gradmap's pools, each with at least ``threads`` threads (for tests)."""
+    return [_shared_pool(threads, role) for role in ("gradmap", "gradmap-pullback")]
 
 
 class ThreadExecutor(Executor):
@@ -161,19 +188,33 @@ class ThreadExecutor(Executor):
 
     caller_helps = False
     name = "threads"
+    _role = "gradmap"
 
     def __init__(self, workers: int | None = None) -> None:
         super().__init__(available_cores() if workers is None else workers)
 
     def submit(self, helper: Callable[[], None]) -> None:
         while True:
-            pool = _shared_pool(self.workers)
+            pool = _shared_pool(self.workers, self._role)
             try:
                 pool.submit(helper)
                 return
             except RuntimeError:
-                if pool is _pool:  # not replaced by a larger pool meanwhile: a real failure
+                if pool is _pools.get(self._role):  # not replaced by a larger pool meanwhile
                     raise
+
+    def for_pullbacks(self) -> Executor:
+        return _PullbackThreads(self.workers)
+
+
+class _PullbackThreads(ThreadExecutor):
+    """The pool threads that run the pullbacks of a map on ``ThreadExecutor``'s (NOTE
+    [pullbacks on threads of their own])."""
+
+    _role = "gradmap-pullback"
+
+    def for_pullbacks(self) -> Executor:
+        return self
 
 
 _helper_threads = threading.local()

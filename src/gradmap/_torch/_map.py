@@ -171,12 +171,14 @@ class MapGraph(JoinGraph):
         # aside meanwhile. Past the native walk's gates no pullback runs them.
         gated = call.gated
         serial = CALLER if not gated and retains_grad(layout.inputs) else None
+        # NOTE [pullbacks on threads of their own] (``_executors``)
+        pullbacks = serial or call.executor.for_pullbacks()
         quiet = nullcontext() if gated else hooks_quiet(layout.inputs)
         with quiet, buffers_kept(call.f) if recomputes else nullcontext():
             per_chunk = call.run_pass(
                 "backward",
                 backward_chunk,
-                executor=serial,
+                executor=pullbacks,
                 reverse=call.executor.reverse_backward,
                 context=state.enter,
             )
