@@ -322,6 +322,20 @@ def test_tsum_of_losses_matches_loop(ex):
     close(torch.autograd.grad(total * 3, s.tensors()), torch.autograd.grad(ref * 3, s.tensors()))
 
 
+@pytest.mark.parametrize("chunksize", [1, 100])  # many chunks; one chunk reaching everything
+def test_tsum_gradients_returned_twice_are_independent(ex, chunksize):
+    # With cotangent one, a chunk's gradients are handed on as they came; a kept graph must not
+    # see what a user's in-place change to a returned gradient did to them.
+    s = Setup()
+    wrt = s.tensors()
+    want = torch.autograd.grad(loop_sum(s.f(), s.xs), wrt)
+    total = gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=chunksize)
+    first = torch.autograd.grad(total, wrt, retain_graph=True)
+    for g in first:
+        g.mul_(-7.0)
+    close(torch.autograd.grad(total, wrt), want)
+
+
 def test_tsum_of_vectors(ex):
     s = Setup()
     model, w = s.model, s.w

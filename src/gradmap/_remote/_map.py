@@ -264,8 +264,10 @@ class _Driver(JoinGraph):
             if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
                 c = cotangents[lo]
                 if c is not None:
-                    # A loss's cotangent is most often one (``loss.backward()``): no product.
-                    one = c.numel() == 1 and c.is_cpu and bool(c == 1)
+                    # A loss's cotangent is most often one (``loss.backward()``): no product --
+                    # unless the graph is kept for another backward, which must not see what a
+                    # user's in-place change to a returned gradient did to them.
+                    one = not keep and c.numel() == 1 and c.is_cpu and bool(c == 1)
                     per_chunk[k] = early if one else [(pid, g * c) for pid, g in early]
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
