@@ -17,7 +17,7 @@ from .._request import MapRequest
 from .._tree import flatten, unflatten
 from ._call import MapCall
 from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
-from ._graph import Known, hooked, transforms_active
+from ._graph import Known, hooked, keep_graph, transforms_active
 from ._map import MapGraph, map_torch
 from ._node import JoinNode, layout_of
 from ._random import MapRandom, moved_by
@@ -330,12 +330,25 @@ class _SumGraph(MapGraph):
             return create_graph or self.early[k] is not None or not records[k].stored
 
         wanted = self.wanted(ctx)
+        c = cotangents[0]
+        # A loss's cotangent is most often one (``loss.backward()``): the early gradients as they
+        # are (``g * 1`` is ``g``, bit for bit), with no product per chunk and parameter -- unless
+        # the graph is kept for another backward, which must not see what a user's in-place
+        # change to a returned gradient did to them.
+        one = (
+            c is not None
+            and not keep_graph()
+            and c.numel() == 1
+            and c.device.type == "cpu"
+            and bool(c == 1)
+        )
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             early = self.early[k]
             if early is not None and not create_graph:
-                c = cotangents[0]
-                return None if c is None else [None if g is None else g * c for g in early]
+                if c is None or one:
+                    return None if c is None else early
+                return [None if g is None else g * c for g in early]
             return pull_back(
                 records[k],
                 chunk_cotangents(k),
