@@ -213,9 +213,6 @@ class _PullbackThreads(ThreadExecutor):
 
     _role = "gradmap-pullback"
 
-    def for_pullbacks(self) -> Executor:
-        return self
-
 
 _helper_threads = threading.local()
 

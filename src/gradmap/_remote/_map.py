@@ -74,7 +74,7 @@ from .._torch._graph import transforms_active as _transforms_active
 from .._torch._map import map_torch
 from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
-from .._torch._sum import sum_results
+from .._torch._sum import sum_results, unscaled
 from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker
 from ._kept import KeptItems, items_cache
@@ -264,11 +264,8 @@ class _Driver(JoinGraph):
             if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
                 c = cotangents[lo]
                 if c is not None:
-                    # A loss's cotangent is most often one (``loss.backward()``): no product --
-                    # unless the graph is kept for another backward, which must not see what a
-                    # user's in-place change to a returned gradient did to them.
-                    one = not keep and c.numel() == 1 and c.is_cpu and bool(c == 1)
-                    per_chunk[k] = early if one else [(pid, g * c) for pid, g in early]
+                    as_is = unscaled(c, keep)
+                    per_chunk[k] = early if as_is else [(pid, g * c) for pid, g in early]
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
                 jobs.append(Job(k, None if self.remat else record.owner, recompute=self.remat))

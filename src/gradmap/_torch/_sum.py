@@ -23,7 +23,7 @@ from ._node import JoinNode, layout_of
 from ._random import MapRandom, moved_by
 from ._state import ThreadState
 
-__all__ = ["sum_results", "sum_torch"]
+__all__ = ["sum_results", "sum_torch", "unscaled"]
 
 Tensor = torch.Tensor
 
@@ -51,6 +51,20 @@ def sum_torch(request: MapRequest) -> Any:
         return sum_results(results, [r.count() for r in records])
     call.known = Known(request.f, request.elements, eager=call.off_caller)
     return _sum_join(call, _forward_pulled_back(call))
+
+
+def unscaled(cotangent: Tensor, keep: bool) -> bool:
+    """Whether the early gradients of a sum's chunks are handed on as they are for this
+    cotangent of the sum: it is one (``loss.backward()``, the most common case; ``g * 1`` is
+    ``g``, bit for bit), so no product per chunk and parameter -- unless the graph is kept
+    (``keep``) for another backward, which must not see what a user's in-place change to a
+    returned gradient did to them."""
+    return (
+        not keep
+        and cotangent.numel() == 1
+        and cotangent.device.type == "cpu"
+        and bool(cotangent == 1)
+    )
 
 
 def _loss_like(record: ChunkRecord) -> bool:
@@ -331,24 +345,14 @@ class _SumGraph(MapGraph):
 
         wanted = self.wanted(ctx)
         c = cotangents[0]
-        # A loss's cotangent is most often one (``loss.backward()``): the early gradients as they
-        # are (``g * 1`` is ``g``, bit for bit), with no product per chunk and parameter -- unless
-        # the graph is kept for another backward, which must not see what a user's in-place
-        # change to a returned gradient did to them.
-        one = (
-            c is not None
-            and not keep_graph()
-            and c.numel() == 1
-            and c.device.type == "cpu"
-            and bool(c == 1)
-        )
+        as_is = c is not None and unscaled(c, keep_graph())
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             early = self.early[k]
             if early is not None and not create_graph:
-                if c is None or one:
-                    return None if c is None else early
-                return [None if g is None else g * c for g in early]
+                if c is None:
+                    return None
+                return early if as_is else [None if g is None else g * c for g in early]
             return pull_back(
                 records[k],
                 chunk_cotangents(k),
