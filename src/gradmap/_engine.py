@@ -79,6 +79,7 @@ class ChunkRun(Generic[T]):
         # itself (an interrupt may have cut that chunk short anywhere).
         self._claimed_by: dict[int, int] = {}
         self._done_by: dict[int, int] = {}
+        self._done = 0
         self._halted = False
         self._stop_after: int | None = None
         self._cond = threading.Condition()
@@ -123,7 +124,13 @@ class ChunkRun(Generic[T]):
             me = threading.get_ident()
             with self._cond:
                 self._done_by[me] = self._done_by.get(me, 0) + 1
-                self._cond.notify_all()
+                self._done += 1
+                # NOTE [one wake-up per pass]: the waiting caller is woken when the last chunk
+                # is done (or, after a failure, at each chunk, to count the others' claims),
+                # not at every chunk: each wake-up took the GIL from the thread running the
+                # next chunk (a forward in one pool thread: 39 ms against 31 in the caller's).
+                if self._done >= len(self._order) or self._halted or self._stop_after is not None:
+                    self._cond.notify_all()
 
     def _fail(self, chunk: int, exc: BaseException) -> None:
         with self._cond:
@@ -153,7 +160,7 @@ class ChunkRun(Generic[T]):
                     )
                     if others <= 0:
                         return
-                elif sum(self._done_by.values()) >= count:
+                elif self._done >= count:
                     return
                 self._cond.wait()
 
