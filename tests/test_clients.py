@@ -525,6 +525,43 @@ def test_torch_compile_inside_f(ex, backend):
         torch._dynamo.reset()
 
 
+class _DonatingBackward(torch.autograd.Function):
+    """``x * w`` whose backward refuses to run with the graph kept, with the message of a backward
+    compiled by ``torch.compile`` that donates its saved tensors (AOTAutograd's check, which the
+    small models here do not set off)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        if torch._C._autograd._get_current_graph_task_keep_graph():
+            raise RuntimeError(
+                "This backward function was compiled with non-empty donated buffers which "
+                "requires create_graph=False and retain_graph=False."
+            )
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def test_backward_that_donates_its_buffers(ex):
+    # Pullbacks keep their graph (NOTE [pullbacks keep their graph]); one that meets such a
+    # backward runs again freeing it, as the loop's backward() does.
+    g = _gen(15)
+    w = _randn(3, g=g)
+    xs = [_randn(3, g=g) for _ in range(5)]
+
+    def f(x: Tensor) -> Tensor:
+        return _DonatingBackward.apply(x.sin(), w).square().sum()
+
+    assert_matches_loop(f, [xs], [*xs, w], ex, chunksize=2)
+    want = torch.autograd.grad(sum(f(x) for x in xs), [*xs, w])
+    got = torch.autograd.grad(gradmap.tsum(f, xs, chunksize=2, **ex), [*xs, w])
+    torch.testing.assert_close(got, want)
+
+
 # -- random numbers -------------------------------------------------------------------------------
 
 RANDOM_CONFIGS = {

@@ -345,7 +345,8 @@ class _SumGraph(MapGraph):
 
         wanted = self.wanted(ctx)
         c = cotangents[0]
-        as_is = c is not None and unscaled(c, keep_graph())
+        free_graph = not keep_graph()
+        as_is = c is not None and unscaled(c, not free_graph)
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             early = self.early[k]
@@ -360,6 +361,8 @@ class _SumGraph(MapGraph):
                 owner=call.owner,
                 recompute=call.recompute if recomputed(k) else None,
                 create_graph=create_graph,
+                free_graph=free_graph,
+                rerun=call.recompute,
                 wanted=wanted(k),
                 api=call.api,
             )
