@@ -300,6 +300,35 @@ def test_no_grad_and_default_dtype_reach_workers(remote, ex, api):
     remote.no_state_left()
 
 
+def test_a_result_that_requires_grad_under_no_grad_is_refused(remote, ex):
+    """An f that turns grad mode on inside a no_grad map returns, in the loop, results with their
+    graph; from another process they would come back without it, their gradients lost: an error
+    naming the element and the fix, not a result that silently does not require grad. (A sum
+    under no_grad has no graph in the loop either: tsum gives it.)"""
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if x[0] < 2:
+            return (x * 2).sum()
+        with torch.enable_grad():
+            return (x * w).sum()
+
+    xs = torch.tensor([[0.0, 1, 1], [1, 1, 1], [2, 1, 1], [3, 1, 1]])
+    with torch.no_grad():
+        assert [y.requires_grad for y in loop(f, xs)] == [False, False, True, True]
+        with pytest.raises(RuntimeError, match=r"element 2 \(of 4\) returned a") as info:
+            gradmap.tmap(f, xs, executor=ex, chunksize=4)
+        total = gradmap.tsum(f, xs, executor=ex, chunksize=2)
+        assert not total.requires_grad and not sum(loop(f, xs)).requires_grad
+        torch.testing.assert_close(total, sum(loop(f, xs)))
+        assert "executor='threads'" in str(info.value)
+        # A detached result is what the fix gives: the map runs.
+        got = gradmap.tmap(lambda x: f(x).detach(), xs, executor=ex, chunksize=2)
+    close(got, [f(x).detach() for x in xs])
+    del info
+    remote.no_state_left()
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 

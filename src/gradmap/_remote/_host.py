@@ -37,6 +37,7 @@ from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_b
 from .._torch._graph import Known
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
+from .._tree import flatten
 from ._kept import KeptItems, KeptOnHost
 from ._pickling import AsIs, LeafTable, dumps_results, loads
 from ._settings import Setting, check_settings
@@ -329,6 +330,8 @@ class Host:
             with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
                 plain = _run(state, start, local, graph=False)
             results = list(plain.plain_results())
+            if spec.api == "gradmap.tmap":  # a sum made with grad mode off has no graph either
+                _no_graph_results(results, start, state)
             if not self._process:  # as pickling would: no leaf of this host reaches the caller
                 results = [_detached_all(y) for y in results]
             return self._out((results, None, [], False))
@@ -558,6 +561,27 @@ def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
             )
         pids.append(pid)
     return pids
+
+
+def _no_graph_results(results: list[Any], start: int, state: _CallState) -> None:
+    """Raise where a map run with grad mode off got a result that requires grad (``f`` turned
+    grad mode on itself, or returned a tensor of its own that requires grad): in the loop that
+    result carries its graph, but no graph comes back from another process, so the gradients
+    the loop gives through it would be lost without a word."""
+    for j, y in enumerate(results):
+        if type(y) is Tensor:
+            if not y.requires_grad:
+                continue
+        elif not any(isinstance(t, Tensor) and t.requires_grad for t in flatten(y)[0]):
+            continue
+        raise RuntimeError(
+            f"{state.api}: element {start + j} (of {state.spec.n}) returned a tensor that "
+            "requires grad while the map ran with grad mode off (torch.no_grad or "
+            "inference_mode; f turned grad mode on, or returned a tensor of its own that "
+            "requires grad). Results come back from other processes without their graph, so "
+            "the gradients the loop gives through it would be lost. Use executor='threads', "
+            "or detach the results in f."
+        )
 
 
 def _detached_all(tree: Any) -> Any:
