@@ -7,7 +7,9 @@ order, via ``.backward()`` and ``torch.autograd.grad``) must equal the loop's, o
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import threading
+import weakref
 from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -559,6 +561,68 @@ def test_second_backward_without_retain_graph_raises(tmap_kwargs):
     got_grad, got_error = twice(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
     torch.testing.assert_close(got_grad, ref_grad)
     assert got_error == ref_error
+
+
+class _Token:
+    pass
+
+
+class _Holds(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, token: _Token) -> Tensor:  # type: ignore[override]
+        ctx.token = token
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return g, None
+
+
+@pytest.mark.parametrize("how", ["backward", "grad"])
+def test_backward_result_by_result_like_loop(tmap_kwargs, how):
+    """``for y in ys: y.backward()`` works in the loop (each element has its own graph), and so
+    on a map (NOTE [a backward of some results]); a result gone through twice raises PyTorch's
+    error as in the loop; the graphs are freed once every result is gone through."""
+
+    def run(mapper: Callable[..., list[Tensor]]) -> tuple[list[Tensor], str, bool, bool]:
+        torch.manual_seed(6)
+        w = torch.randn(3, requires_grad=True)
+        xs = [torch.randn(3) for _ in range(5)]
+        made: list[Any] = []
+
+        def f(x: Tensor) -> Tensor:
+            token = _Token()  # held by the element's graph (a node's context) while it lives
+            made.append(weakref.ref(token))
+            return _Holds.apply((x * w).exp(), token).sum()
+
+        ys = mapper(f, xs)
+        order = [3, 0, 4]
+        grads = []
+        for i in order:
+            if how == "backward":
+                ys[i].backward()
+            else:
+                grads.append(torch.autograd.grad(ys[i], w)[0])
+        with pytest.raises(RuntimeError, match="backward through the graph a second time") as e:
+            ys[0].backward()
+        alive = any(r() is not None for r in made)
+        rest = torch.stack([ys[1], ys[2] * 2]).sum()
+        if how == "backward":
+            rest.backward()
+            grads.append(w.grad)
+        else:
+            grads.append(torch.autograd.grad(rest, w)[0])
+        error = type(e.value).__name__
+        del ys, rest, e  # (the error's traceback holds the tensor it was raised for)
+        gc.collect()
+        return grads, error, alive, any(r() is not None for r in made)
+
+    got, got_error, got_alive, got_left = run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
+    ref, ref_error, ref_alive, ref_left = run(loop)
+    assert_grads_equal(got, ref)
+    assert got_error == ref_error
+    assert ref_alive and got_alive  # the results not gone through keep their graphs
+    assert not ref_left and not got_left, "graphs outlive the last backward"
 
 
 def test_retain_graph_twice_accumulates_like_loop(tmap_kwargs):

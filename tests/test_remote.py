@@ -395,6 +395,29 @@ def test_exception_in_backward_names_the_element(remote, ex, api):
 # -- backward: twice, create_graph ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
+def test_backward_result_by_result_like_loop(remote, ex, remat):
+    """``for y in ys: y.backward()``, as in the loop (NOTE [a backward of some results]): the
+    workers keep each chunk until all its results are gone through, then forget it."""
+    s = Setup()
+    ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=3, remat=remat)
+    ref = loop(s.f(), s.xs)
+    order = [4, 0, 1, 2, 5]  # chunk {0, 1, 2} is all gone through, {3, 4, 5} is not
+    for i in order:
+        got = torch.autograd.grad(ys[i], [s.w, *s.model.parameters()])
+        close(got, torch.autograd.grad(ref[i], [s.w, *s.model.parameters()]))
+    if not remat:
+        assert sum(ex.stored_calls()) >= 1  # chunk {3, 4, 5} waits on its worker
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as info:
+        ys[0].backward()
+    del info
+    rest = [3, 6, 7, 8, 9]  # the other results: every chunk is gone through
+    got = torch.autograd.grad(sum(ys[i] * i for i in rest), [s.w])
+    close(got, torch.autograd.grad(sum(ref[i] * i for i in rest), [s.w]))
+    remote.no_state_left()
+    del ys
+
+
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_retain_graph_then_second_backward(remote, ex, api):
     s = Setup()

@@ -16,9 +16,11 @@ NOTE [chunk-order sum]:
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from itertools import repeat
+from operator import is_
 from typing import Generic, TypeVar
 
-__all__ = ["JoinLayout", "sum_by_position", "sum_in_chunk_order"]
+__all__ = ["BACKWARD_TWICE", "JoinLayout", "Spent", "sum_by_position", "sum_in_chunk_order"]
 
 T = TypeVar("T")
 G = TypeVar("G")
@@ -100,3 +102,63 @@ def sum_by_position(
                 current = total[p]
                 total[p] = g if current is None else add(current, g)
     return total
+
+
+#: PyTorch's message for a backward through a graph that an earlier backward freed.
+BACKWARD_TWICE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after "
+    "they have already been freed). Saved intermediate values of the graph are freed when you "
+    "call .backward() or autograd.grad(). Specify retain_graph=True if you need to backward "
+    "through the graph a second time or if you need to access saved tensors after calling "
+    "backward."
+)
+
+
+class Spent:
+    """Which of a join's outputs a backward that frees the graph has gone through.
+
+    NOTE [a backward of some results]:
+        In the loop each element has a graph of its own, so ``for y in ys: y.backward()`` works:
+        each backward frees only the graph behind its own result. A map's results all come out of
+        one join node, so the join does not let the engine's freeing decide (it saves nothing
+        that a backward would free); it keeps this account instead. A backward that frees the
+        graph marks the outputs it brought a cotangent to; one that brings a cotangent to an
+        output marked before fails with PyTorch's error, as the loop's second backward through
+        an element's graph does. A chunk's graph is freed once all its outputs are marked, the
+        whole map's state once every output is.
+
+    Arguments:
+        n: the join's output count.
+    """
+
+    __slots__ = ("_flags", "left")
+
+    def __init__(self, n: int) -> None:
+        self._flags: bytearray | None = None  # made at the first backward that leaves some
+        #: outputs not gone through yet.
+        self.left = n
+
+    def spend(self, cotangents: Sequence[object]) -> None:
+        """Mark the outputs that have a cotangent (not ``None``); raise PyTorch's error
+        (``RuntimeError``) for one marked before, marking nothing."""
+        flags = self._flags
+        if self.left == 0:
+            if any(c is not None for c in cotangents):
+                raise RuntimeError(BACKWARD_TWICE)
+            return
+        if flags is None:
+            if not any(map(is_, cotangents, repeat(None))):  # every output: the common case
+                self.left = 0
+                return
+            flags = self._flags = bytearray(len(cotangents))
+        live = [i for i, c in enumerate(cotangents) if c is not None]
+        if any(flags[i] for i in live):
+            raise RuntimeError(BACKWARD_TWICE)
+        for i in live:
+            flags[i] = 1
+        self.left -= len(live)
+
+    def spent(self, lo: int, hi: int) -> bool:
+        """Whether outputs ``lo..hi-1`` have all been gone through."""
+        flags = self._flags
+        return self.left == 0 or (flags is not None and all(flags[lo:hi]))

@@ -345,15 +345,11 @@ class Host:
         return self._out((*_detached_results(record), sorted(set(pids)), state.seed.drawn))
 
     def backward(
-        self,
-        call_id: str,
-        chunks: list[tuple[int, bytes]],
-        backward_state: ThreadState,
-        keep: bool = False,
+        self, call_id: str, chunks: list[tuple[int, bytes, bool]], backward_state: ThreadState
     ) -> list:
-        """Pull back kept chunks, each given as ``(chunk, cotangents)`` (one cotangent per join
-        output of the chunk); unless ``keep`` (``retain_graph``), forget each chunk once pulled
-        back.
+        """Pull back kept chunks, each given as ``(chunk, cotangents, keep)`` (one cotangent per
+        join output of the chunk); forget each chunk once pulled back unless ``keep``
+        (``retain_graph``, or results of the chunk that no backward has gone through yet).
 
         Returns:
             For each chunk, its pickled gradients, ``[(pid, gradient), ...]`` summed per pid
@@ -362,7 +358,7 @@ class Host:
         state = self._calls.get(call_id)
         out: list[Any] = []
         try:
-            for k, cotangents in chunks:
+            for k, cotangents, keep in chunks:
                 kept = None if state is None else state.chunks.get(k)
                 if state is None or kept is None:
                     out.append(LOST)

@@ -65,7 +65,7 @@ import torch
 
 from .._errors import add_note
 from .._executors import RemoteExecutor, SerialExecutor
-from .._join import sum_by_position
+from .._join import Spent, sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._request import MapRequest
@@ -110,6 +110,9 @@ class _Chunk:
 
 class _Driver(JoinGraph):
     """The driver's state of one map: what the join's backward needs, and the release."""
+
+    spends_by_output = True  # NOTE [a backward of some results] in ``_join``
+    spent: Spent
 
     def __init__(
         self,
@@ -157,6 +160,7 @@ class _Driver(JoinGraph):
         return torch._C.DisableTorchFunction()
 
     def join_outputs(self) -> tuple[Tensor, ...]:
+        self.spent = Spent(len(self.outputs))
         return tuple(t.detach() for t in self.outputs)
 
     def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
@@ -165,7 +169,10 @@ class _Driver(JoinGraph):
                 f"{self.api}: a create_graph=True backward through the map (double backward) is "
                 "not supported in other processes; use executor='threads'"
             )
-        return self.backward(cotangents, keep_graph())
+        keep = keep_graph()
+        if not keep:
+            self.spent.spend(cotangents)  # raises PyTorch's error for results gone through before
+        return self.backward(cotangents, keep)
 
     def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:
         run_pass(
@@ -257,6 +264,8 @@ class _Driver(JoinGraph):
         state = ThreadState(grad_enabled=False)
         payloads: dict[int, list[Any]] = {}
         per_chunk: dict[int, list[tuple[int, Tensor]]] = {}
+        # Each chunk is kept for a later backward unless all its results are gone through.
+        kept = [keep or not self.spent.spent(*record.outputs) for record in self.chunks]
         jobs = []
         for k, record in enumerate(self.chunks):
             lo, hi = record.outputs
@@ -264,7 +273,7 @@ class _Driver(JoinGraph):
             if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
                 c = cotangents[lo]
                 if c is not None:
-                    as_is = unscaled(c, keep)
+                    as_is = unscaled(c, kept[k])
                     per_chunk[k] = early if as_is else [(pid, g * c) for pid, g in early]
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
@@ -285,12 +294,14 @@ class _Driver(JoinGraph):
                 return self.transport.call(
                     a, "recompute", self.id, self.box, self.spec, chunks, state
                 )
-            pairs = [(j.chunk, self.cotangents_for(payloads[j.chunk], a)) for j in jobs]
-            return self.transport.call(a, "backward", self.id, pairs, state, keep)
+            pulls = [
+                (j.chunk, self.cotangents_for(payloads[j.chunk], a), kept[j.chunk]) for j in jobs
+            ]
+            return self.transport.call(a, "backward", self.id, pulls, state)
 
         def on_result(k: int, a: int, value: bytes) -> None:
             per_chunk[k] = loads_results(value)
-            if not keep:
+            if not kept[k]:
                 self.held.pop(k, None)  # the worker forgot it (``Host.backward``)
             if bar is not None:
                 start, stop = plan.bounds(k)
@@ -313,7 +324,7 @@ class _Driver(JoinGraph):
             [[g for _, g in per_chunk[k]] for k in chunks],
             torch.add,
         )
-        if not keep:
+        if not keep and self.spent.left == 0:
             self.release()
         return totals
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun
-from .._join import JoinLayout, sum_in_chunk_order
+from .._join import JoinLayout, Spent, sum_in_chunk_order
 from .._request import MapRequest
 from .._tree import fill_leaves
 from ._call import CALLER, MapCall
@@ -95,11 +95,14 @@ def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
 class MapGraph(JoinGraph):
     """The state shared by the join node's forward and backward."""
 
+    spends_by_output = True  # NOTE [a backward of some results] in ``_join``
+
     def __init__(self, call: MapCall, records: list[ChunkRecord], layout: JoinLayout[Tensor]):
         self.call = call
         self.records: list[ChunkRecord] | None = records
         self.layout = layout
         self.outputs = [t for r in records for t in r.outputs]
+        self.spent = Spent(len(self.outputs))
         hooks = BlockHooks((node for r in records for node in r.boundary.nodes), call.owner)
         # Removed in the caller's backward once the graph is done with (the finalizer is for a
         # graph never pulled back): a collection in any thread could otherwise remove them while
@@ -111,11 +114,14 @@ class MapGraph(JoinGraph):
         return tuple(t.detach() for t in outputs)
 
     def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
-        call, layout, records = self.call, self.layout, self.records
+        call, layout, spent = self.call, self.layout, self.spent
+        free_graph = not keep_graph()
+        if free_graph:
+            spent.spend(cotangents)  # raises PyTorch's error for results gone through before
+        records = self.records
         assert records is not None
         create_graph = torch.is_grad_enabled()
         fresh = call.recompute if (create_graph or call.remat) else None
-        free_graph = not keep_graph()
         wanted = self.wanted(ctx)
         # Which cotangents are zero, for every chunk in one stack here (a map's losses), not per
         # chunk in the pullbacks' threads: five small ops per chunk there held the GIL the
@@ -130,7 +136,7 @@ class MapGraph(JoinGraph):
                 owner=call.owner,
                 recompute=fresh,
                 create_graph=create_graph,
-                free_graph=free_graph,
+                free_graph=free_graph and spent.spent(*layout.output_bounds[k]),
                 rerun=call.recompute,
                 wanted=wanted(k),
                 nonzero=None if nonzero is None else chunk_nonzero(k, nonzero),
@@ -197,9 +203,14 @@ class MapGraph(JoinGraph):
                 per_chunk[k] = None  # the plain backward passed everything on
         grads = sum_in_chunk_order(layout, per_chunk, torch.add)
         if not keep_graph():
-            self.records = None
-            call.free()
-            self._remove_hooks()
+            if not self.spends_by_output or self.spent.left == 0:
+                self.records = None
+                call.free()
+                self._remove_hooks()
+            else:  # a backward of some results: the chunks whose results are all gone through
+                for k, record in enumerate(records):
+                    if record.stored and self.spent.spent(*layout.output_bounds[k]):
+                        record.drop_graph()
         return grads
 
 

@@ -20,7 +20,9 @@ NOTE [the join node]:
     ``retain_graph``: chunk graphs are always pulled back with ``retain_graph=True`` (so a failing
     chunk can be pulled back element by element to name the element) and dropped after the
     backward unless the outer backward keeps the graph; a second backward then fails with
-    PyTorch's own error, raised by the join's saved (dummy) tensor.
+    PyTorch's own error. A backward of some of a map's results frees only their chunks' share,
+    as the loop's frees only their elements' graphs (NOTE [a backward of some results] in
+    ``_join``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def layout_of(records: Sequence[ChunkRecord]) -> JoinLayout[Tensor]:
 class JoinGraph:
     """What a join node holds: the outputs it hands out, once, and its backward."""
 
+    #: The graph keeps account of the outputs each backward went through and raises PyTorch's
+    #: error itself (NOTE [a backward of some results] in ``_join``); otherwise the join saves a
+    #: tensor whose freeing makes a second backward raise it.
+    spends_by_output = False
+
     def join_context(self) -> AbstractContextManager[object]:
         """The context the join's forward runs in."""
         return nullcontext()
@@ -75,13 +82,15 @@ class _Join(torch.autograd.Function):
         ctx.graph = graph
         ctx.set_materialize_grads(False)
         with graph.join_context():
-            ctx.save_for_backward(torch.empty(0))
+            if not graph.spends_by_output:
+                ctx.save_for_backward(torch.empty(0))
             return graph.join_outputs()
 
     @staticmethod
     def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
         graph: JoinGraph = ctx.graph
+        if not graph.spends_by_output:
+            ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
         return (None, *graph.join_backward(ctx, cotangents))
 
 

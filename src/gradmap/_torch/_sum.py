@@ -308,6 +308,8 @@ class _SumJoin(JoinNode):
 
 
 class _SumGraph(MapGraph):
+    spends_by_output = False  # the join's saved tensor raises for a second backward
+
     def __init__(
         self,
         call: MapCall,
