@@ -467,6 +467,17 @@ def test_create_graph_is_refused_naming_threads(ex, api):
     works(ex)
 
 
+def test_batched_backward_is_refused_naming_threads(ex):
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.stack(gradmap.tmap(lambda x: (x * w).pow(2).sum(), xs, executor=ex, chunksize=2))
+    with pytest.raises(NotImplementedError, match="batched backward") as info:
+        torch.autograd.grad(y, w, torch.eye(4, dtype=torch.float64), is_grads_batched=True)
+    assert "executor='threads'" in str(info.value)
+    del y, info
+    works(ex)
+
+
 # -- state on the workers ---------------------------------------------------------------------
 
 

@@ -69,7 +69,7 @@ from .._join import Spent, sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._request import MapRequest
-from .._torch._graph import buffers_kept, keep_graph
+from .._torch._graph import batched, buffers_kept, keep_graph
 from .._torch._graph import transforms_active as _transforms_active
 from .._torch._map import map_torch
 from .._torch._node import JoinGraph, JoinNode
@@ -168,6 +168,12 @@ class _Driver(JoinGraph):
             raise NotImplementedError(
                 f"{self.api}: a create_graph=True backward through the map (double backward) is "
                 "not supported in other processes; use executor='threads'"
+            )
+        if batched(cotangents):
+            raise NotImplementedError(
+                f"{self.api}: a batched backward through the map (under vmap: "
+                "autograd.grad(..., is_grads_batched=True), jacobian(..., vectorize=True)) is "
+                "not supported in other processes; use executor='threads', or vectorize=False"
             )
         keep = keep_graph()
         if not keep:

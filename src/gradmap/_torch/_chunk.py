@@ -21,6 +21,7 @@ from ._graph import (
     BlockHooks,
     Boundary,
     Known,
+    batched,
     find_boundary,
     pulling_back,
     reaches,
@@ -298,7 +299,10 @@ def nonzero_stacked(cotangents: Sequence[Tensor | None]) -> list[bool] | None:
 
 def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:
     """Whether each cotangent is nonzero: small ones of one shape, dtype and device in one
-    stack, else the 0-d ones (the losses of a map) in one stack and the rest one by one."""
+    stack, else the 0-d ones (the losses of a map) in one stack and the rest one by one;
+    batched cotangents (a backward under vmap) all count as nonzero."""
+    if batched(cotangents):
+        return [g is not None for g in cotangents]
     flags = nonzero_stacked(cotangents)
     if flags is not None:
         return flags

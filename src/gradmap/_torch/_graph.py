@@ -97,6 +97,22 @@ def transforms_active() -> bool:
     return bool(torch._C._are_functorch_transforms_active()) or fwAD._current_level >= 0
 
 
+_LEGACY_BATCHED: Callable[[Tensor], bool] = getattr(
+    torch._C._functorch, "is_legacy_batchedtensor", lambda t: False
+)
+
+
+def batched(cotangents: Sequence[Tensor | None]) -> bool:
+    """Whether a backward runs batched, its cotangents batched tensors: ``torch.vmap`` over a
+    vector-Jacobian product, ``autograd.grad(..., is_grads_batched=True)``,
+    ``jacobian(..., vectorize=True)``. Its cotangents' values are not known per example (no
+    zero check), and only the thread it runs in knows its vmap levels."""
+    g = next((c for c in cotangents if c is not None), None)
+    if g is None:
+        return False
+    return bool(torch._C._are_functorch_transforms_active()) or _LEGACY_BATCHED(g)
+
+
 def _accumulate_grad_type() -> type:
     leaf = torch.zeros((), requires_grad=True)
     with torch.enable_grad():

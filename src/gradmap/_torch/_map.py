@@ -30,6 +30,7 @@ from ._chunk import ACCUMULATE, ChunkRecord, nonzero_stacked, pull_back
 from ._graph import (
     BlockHooks,
     Known,
+    batched,
     buffers_kept,
     hooks_quiet,
     keep_graph,
@@ -126,7 +127,7 @@ class MapGraph(JoinGraph):
         # Which cotangents are zero, for every chunk in one stack here (a map's losses), not per
         # chunk in the pullbacks' threads: five small ops per chunk there held the GIL the
         # engine's threads wanted (py-spy, ragged bags: a tenth of the pullbacks' GIL time).
-        nonzero = nonzero_stacked(cotangents) if fresh is None else None
+        nonzero = nonzero_stacked(cotangents) if fresh is None and not batched(cotangents) else None
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             return pull_back(
@@ -156,6 +157,7 @@ class MapGraph(JoinGraph):
             chunk_cotangents,
             create_graph=create_graph,
             recomputes=fresh is not None,
+            batched=batched(cotangents),
         )
 
     def wanted(self, ctx: Any) -> Callable[[int], list[bool] | None]:
@@ -175,9 +177,12 @@ class MapGraph(JoinGraph):
         *,
         create_graph: bool,
         recomputes: bool,
+        batched: bool = False,
     ) -> list[Tensor | None]:
         """The join's backward: every chunk's pullback on the executor, the chunks that need a
-        plain ``backward()`` after them (NOTE [reentrant checkpoint]), the chunk-order sum."""
+        plain ``backward()`` after them (NOTE [reentrant checkpoint]), the chunk-order sum.
+        ``batched``: a backward under vmap, whose levels only this thread knows: the chunks are
+        pulled back here, one after another."""
         call, layout, records = self.call, self.layout, self.records
         assert records is not None
         state = ThreadState(grad_enabled=create_graph)
@@ -185,7 +190,7 @@ class MapGraph(JoinGraph):
         # gradient's hook writes .grad from each pullback (one at a time), and the hooks are set
         # aside meanwhile. Past the native walk's gates no pullback runs them.
         gated = call.gated
-        serial = CALLER if not gated and retains_grad(layout.inputs) else None
+        serial = CALLER if batched or (not gated and retains_grad(layout.inputs)) else None
         # NOTE [pullbacks on threads of their own] (``_executors``)
         pullbacks = serial or call.executor.for_pullbacks()
         quiet = nullcontext() if gated else hooks_quiet(layout.inputs)

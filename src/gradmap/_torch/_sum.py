@@ -17,7 +17,7 @@ from .._request import MapRequest
 from .._tree import flatten, unflatten
 from ._call import MapCall
 from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
-from ._graph import Known, hooked, keep_graph, transforms_active
+from ._graph import Known, batched, hooked, keep_graph, transforms_active
 from ._map import MapGraph, map_torch
 from ._node import JoinNode, layout_of
 from ._random import MapRandom, moved_by
@@ -61,6 +61,7 @@ def unscaled(cotangent: Tensor, keep: bool) -> bool:
     returned gradient did to them."""
     return (
         not keep
+        and not batched((cotangent,))
         and cotangent.numel() == 1
         and cotangent.device.type == "cpu"
         and bool(cotangent == 1)
@@ -374,4 +375,5 @@ class _SumGraph(MapGraph):
             chunk_cotangents,
             create_graph=create_graph,
             recomputes=create_graph or any(not r.stored for r in records),
+            batched=batched(cotangents),
         )
