@@ -604,6 +604,8 @@ def test_backward_result_by_result_like_loop(tmap_kwargs, how):
                 ys[i].backward()
             else:
                 grads.append(torch.autograd.grad(ys[i], w)[0])
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            ys[0].backward(retain_graph=True)
         with pytest.raises(RuntimeError, match="backward through the graph a second time") as e:
             ys[0].backward()
         alive = any(r() is not None for r in made)

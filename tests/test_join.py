@@ -30,3 +30,17 @@ def test_outputs_spent_a_few_at_a_time():
     assert spent.left == 2 and not spent.spent(2, 3)
     spent.spend([None, None, "g", "g", None])
     assert spent.left == 0 and spent.spent(0, 5)
+
+
+def test_a_backward_that_keeps_the_graph_marks_nothing_but_is_refused_what_is_spent():
+    spent = Spent(3)
+    spent.spend(["g", None, None], free=False)
+    assert spent.left == 3 and not spent.spent(0, 1)
+    spent.spend([None, "g", None])
+    with pytest.raises(RuntimeError, match="a second time"):
+        spent.spend([None, "g", "g"], free=False)  # retain_graph=True after the graph went
+    spent.spend(["g", None, "g"], free=False)
+    assert spent.left == 2
+    spent.spend(["g", None, "g"])
+    with pytest.raises(RuntimeError, match="a second time"):
+        spent.spend(["g", None, None], free=False)

@@ -122,10 +122,10 @@ class Spent:
         each backward frees only the graph behind its own result. A map's results all come out of
         one join node, so the join does not let the engine's freeing decide (it saves nothing
         that a backward would free); it keeps this account instead. A backward that frees the
-        graph marks the outputs it brought a cotangent to; one that brings a cotangent to an
-        output marked before fails with PyTorch's error, as the loop's second backward through
-        an element's graph does. A chunk's graph is freed once all its outputs are marked, the
-        whole map's state once every output is.
+        graph marks the outputs it brought a cotangent to; any backward (one that keeps the graph
+        too) that brings a cotangent to an output marked before fails with PyTorch's error, as
+        the loop's backward through an element's freed graph does. A chunk's graph is freed once
+        all its outputs are marked, the whole map's state once every output is.
 
     Arguments:
         n: the join's output count.
@@ -138,15 +138,18 @@ class Spent:
         #: outputs not gone through yet.
         self.left = n
 
-    def spend(self, cotangents: Sequence[object]) -> None:
-        """Mark the outputs that have a cotangent (not ``None``); raise PyTorch's error
-        (``RuntimeError``) for one marked before, marking nothing."""
+    def spend(self, cotangents: Sequence[object], *, free: bool = True) -> None:
+        """Raise PyTorch's error (``RuntimeError``) if an output marked before has a cotangent
+        (not ``None``); else, for a backward that frees the graph (``free``), mark the outputs
+        that have one. A backward that keeps the graph marks nothing."""
         flags = self._flags
         if self.left == 0:
             if any(c is not None for c in cotangents):
                 raise RuntimeError(BACKWARD_TWICE)
             return
         if flags is None:
+            if not free:
+                return  # nothing marked yet
             if not any(map(is_, cotangents, repeat(None))):  # every output: the common case
                 self.left = 0
                 return
@@ -154,9 +157,10 @@ class Spent:
         live = [i for i, c in enumerate(cotangents) if c is not None]
         if any(flags[i] for i in live):
             raise RuntimeError(BACKWARD_TWICE)
-        for i in live:
-            flags[i] = 1
-        self.left -= len(live)
+        if free:
+            for i in live:
+                flags[i] = 1
+            self.left -= len(live)
 
     def spent(self, lo: int, hi: int) -> bool:
         """Whether outputs ``lo..hi-1`` have all been gone through."""

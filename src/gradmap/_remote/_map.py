@@ -176,8 +176,7 @@ class _Driver(JoinGraph):
                 "not supported in other processes; use executor='threads', or vectorize=False"
             )
         keep = keep_graph()
-        if not keep:
-            self.spent.spend(cotangents)  # raises PyTorch's error for results gone through before
+        self.spent.spend(cotangents, free=not keep)  # raises for results gone through before
         return self.backward(cotangents, keep)
 
     def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:

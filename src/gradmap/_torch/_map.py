@@ -117,8 +117,7 @@ class MapGraph(JoinGraph):
     def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
         call, layout, spent = self.call, self.layout, self.spent
         free_graph = not keep_graph()
-        if free_graph:
-            spent.spend(cotangents)  # raises PyTorch's error for results gone through before
+        spent.spend(cotangents, free=free_graph)  # raises for results gone through before
         records = self.records
         assert records is not None
         create_graph = torch.is_grad_enabled()
