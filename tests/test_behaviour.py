@@ -10,6 +10,7 @@ import concurrent.futures
 import gc
 import sys
 import threading
+import warnings
 import weakref
 from collections import namedtuple
 from collections.abc import Callable, Iterator
@@ -806,6 +807,57 @@ def _autocast_run(
         out = mapper(lambda x: (x @ w).relu(), xs)
     grads = torch.autograd.grad(weighted_loss(out), [w, *xs])
     return [y.dtype for y in out], list(grads)
+
+
+@pytest.mark.filterwarnings("ignore:gradmap.tmap runs as the plain loop")
+def test_state_only_the_callers_thread_has_runs_the_loop_with_a_warning(tmap_kwargs):
+    """Saved-tensor hooks and torch modes live in the caller's thread alone: under them a map
+    runs as the plain loop there, with the loop's values, gradients and what the hooks and modes
+    see, and says so (NOTE [state only the caller's thread has])."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(6)]
+    f = lambda x: ((x * w).sin() * w).sum()  # noqa: E731
+    tm = lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs)  # noqa: E731
+
+    def lossy(mapper: Callable[..., Any]) -> Tensor:
+        # Saved tensors kept in half precision: gradients that differ from the unhooked ones.
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t.to(torch.float16), lambda t: t.to(torch.float64)
+        ):
+            total = torch.stack(mapper(f, xs)).sum()
+        return torch.autograd.grad(total, w)[0]
+
+    with pytest.warns(RuntimeWarning, match="saved-tensor hooks"):
+        got = lossy(tm)
+    assert torch.equal(got, lossy(loop))
+
+    def checkpointed(mapper: Callable[..., Any]) -> Tensor:
+        total = checkpoint(lambda w: torch.stack(mapper(f, xs)).sum(), w, use_reentrant=False)
+        return torch.autograd.grad(total, w)[0]
+
+    with pytest.warns(RuntimeWarning, match="saved-tensor hooks"):
+        got = checkpointed(tm)
+    torch.testing.assert_close(got, checkpointed(loop))
+
+    lin = nn.Linear(16, 16)
+    items = [torch.randn(4, 16) for _ in range(6)]
+    counts = []
+    for mapper in (tm, loop):
+        with FlopCounterMode(display=False) as flops:
+            torch.stack(mapper(lambda x: lin(x).sum(), items)).sum().backward()
+        counts.append(flops.get_total_flops())
+    assert counts[0] == counts[1] > 0
+
+    torch.set_default_device("cpu")  # what other threads have anyway: no fallback
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tm(f, xs)
+    finally:
+        torch.set_default_device(None)
 
 
 def test_cpu_autocast_reaches_workers(tmap_kwargs):

@@ -478,6 +478,27 @@ def test_batched_backward_is_refused_naming_threads(ex):
     works(ex)
 
 
+def test_state_only_the_callers_thread_has_runs_the_loop_here(ex):
+    """Under saved-tensor hooks the map runs as the plain loop in the caller (NOTE [state only
+    the caller's thread has]): the hooks see every saved tensor, as in the loop."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    packed: list[list[int]] = [[], []]
+    for k, mapper in enumerate((loop, _on(ex))):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, k=k: packed[k].append(t.numel()) or t, lambda t: t
+        ):
+            if k:
+                with pytest.warns(RuntimeWarning, match="runs as the plain loop"):
+                    ys = mapper(lambda x: (x * w).sin().sum(), xs)
+            else:
+                ys = mapper(lambda x: (x * w).sin().sum(), xs)
+        torch.stack(ys).sum().backward()
+    assert packed[0] == packed[1] != []
+    assert sum(ex.stored_calls()) == 0
+    works(ex)
+
+
 # -- state on the workers ---------------------------------------------------------------------
 
 

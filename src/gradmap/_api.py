@@ -11,6 +11,7 @@ from ._items import zip_items
 from ._plan import check_chunksize, plan_chunks
 from ._request import MapRequest
 from ._resolve import EXECUTORS, resolve_executor
+from ._torch._graph import warn_caller_only
 from ._torch._map import map_torch
 from ._torch._sum import sum_torch
 
@@ -172,6 +173,7 @@ def _prepare(
 
 def _run(call: MapRequest, on_threads: Callable[[MapRequest], Any]) -> Any:
     """The call on threads (the executor shares the caller's memory), or in other processes."""
+    warn_caller_only(call.api, stacklevel=3)  # (the user's line: _run, tmap or tsum, the user)
     if call.executor.shares_memory:
         return on_threads(call)
     from ._remote._map import map_remote  # lazy: cloudpickle, and the workers' transport

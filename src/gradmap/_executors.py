@@ -27,7 +27,8 @@ NOTE [a user's executor runs every chunk]:
     NOTE [forward placement], which run on one of its threads), ``tsum``'s producer and
     pullbacks, and the backward's pullbacks. The caller runs chunks only where it is one of the
     executor's threads, or works on a chunk of a map itself (a map nested in ``f``; NOTE [caller
-    helps, no deadlock]), or under a ``torch.func`` transform (NOTE [torch.func and forward AD]).
+    helps, no deadlock]), or under a ``torch.func`` transform, saved-tensor hooks or a torch mode
+    (NOTE [state only the caller's thread has]).
     ``FuturesExecutor(pool, caller_helps=True)`` keeps the caller working alongside, for a pool
     whose threads may be taken by tasks that wait on the caller.
 """

@@ -69,8 +69,7 @@ from .._join import Spent, sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._request import MapRequest
-from .._torch._graph import batched, buffers_kept, keep_graph
-from .._torch._graph import transforms_active as _transforms_active
+from .._torch._graph import batched, buffers_kept, caller_only, keep_graph
 from .._torch._map import map_torch
 from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
@@ -348,11 +347,11 @@ def map_remote(request: MapRequest) -> Any:
     executor, remat, api = request.executor, request.remat, request.api
     assert isinstance(executor, RemoteExecutor)
     summed = api == "gradmap.tsum"
-    if _transforms_active() or in_worker():
-        # NOTE [torch.func and forward AD] in _torch/_map: the plain loop, in the caller's
-        # process. A map inside f, on a worker: this process is one worker with its CPUs, so it
-        # runs here.
-        here = replace(request, executor=SerialExecutor(), api="gradmap.tmap", placement="auto")
+    if caller_only() is not None or in_worker():
+        # NOTE [state only the caller's thread has] in _torch/_graph: the plain loop, in the
+        # caller's thread. A map inside f, on a worker: this process is one worker with its
+        # CPUs, so it runs here.
+        here = replace(request, executor=SerialExecutor(), placement="auto")
         results = map_torch(here)
         return sum_results(results) if summed else results
     transport: Transport = executor.transport(f, api, plan.n)  # type: ignore[assignment]

@@ -50,6 +50,7 @@ import functools
 import gc
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, NoReturn
@@ -63,6 +64,7 @@ from ._native import native
 
 __all__ = [
     "Boundary",
+    "caller_only",
     "find_boundary",
     "hooks_quiet",
     "keep_graph",
@@ -73,6 +75,7 @@ __all__ = [
     "reaches",
     "sequence_nr",
     "transforms_active",
+    "warn_caller_only",
 ]
 
 Tensor = torch.Tensor
@@ -95,6 +98,56 @@ def plain_backward() -> bool:
 def transforms_active() -> bool:
     """Whether a ``torch.func`` transform or a forward-AD dual level is active."""
     return bool(torch._C._are_functorch_transforms_active()) or fwAD._current_level >= 0
+
+
+def caller_only() -> str | None:
+    """What in the caller's thread-local state other threads cannot share, so that a map runs
+    as the plain loop in the caller's thread (NOTE [state only the caller's thread has]);
+    ``None`` where nothing is.
+
+    NOTE [state only the caller's thread has]:
+        Some of PyTorch's state lives in the thread that set it and is not carried into other
+        threads, let alone processes, yet changes what ``f`` computes or what sees it: a
+        ``torch.func`` transform or a forward-AD level (functorch's interpreter stack; the join
+        has no forward rule either), saved-tensor hooks (``saved_tensors_hooks``,
+        ``save_on_cpu``, a non-reentrant ``checkpoint`` around the map: pool threads saved
+        their tensors unhooked, so hooks that change what they save gave other gradients, and a
+        checkpoint around the map kept the chunks' graphs whole), and torch function and
+        dispatch modes
+        (``FlopCounterMode``, ``torch.set_default_device``, a user's ``TorchDispatchMode``).
+        Replaying them in pool threads would run users' hooks and modes concurrently and out
+        of order, which the loop never does. So under any of them a map runs as the plain
+        loop, in the caller's thread: the loop's results and gradients by construction, and no
+        speed-up (a warning says so, except under ``torch.func``, where the loop is expected).
+        The default device set to the CPU (``torch.set_default_device("cpu")``) is what other
+        threads have anyway, and does not count.
+    """
+    if transforms_active():
+        return "torch.func"
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return "saved-tensor hooks (saved_tensors_hooks, save_on_cpu, a checkpoint around the map)"
+    if torch._C._len_torch_dispatch_stack():
+        return "a torch dispatch mode (such as FlopCounterMode)"
+    for i in range(torch._C._len_torch_function_stack()):
+        mode = torch._C._get_function_stack_at(i)
+        device = getattr(mode, "device", None) if type(mode).__name__ == "DeviceContext" else None
+        if device is None or torch.device(device).type != "cpu":
+            return "a torch function mode (such as torch.set_default_device)"
+    return None
+
+
+def warn_caller_only(api: str, stacklevel: int) -> None:
+    """Say that a map runs as the plain loop, and why (``caller_only``), if it does."""
+    reason = caller_only()
+    if reason is not None and reason != "torch.func":
+        warnings.warn(
+            f"{api} runs as the plain loop in the caller's thread, with no speed-up: {reason} "
+            "is active there, which other threads and processes do not share (NOTE [state only "
+            "the caller's thread has]). Enter it inside f instead, where f's own work needs it "
+            "(for a checkpoint around the map: remat=True keeps no graph of its own).",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 _LEGACY_BATCHED: Callable[[Tensor], bool] = getattr(

@@ -32,12 +32,12 @@ from ._graph import (
     Known,
     batched,
     buffers_kept,
+    caller_only,
     hooks_quiet,
     keep_graph,
     needed,
     plain_backward,
     retains_grad,
-    transforms_active,
 )
 from ._node import JoinGraph, JoinNode, layout_of
 from ._state import ThreadState
@@ -51,10 +51,7 @@ def map_torch(request: MapRequest) -> list[Any]:
     """``[f(*args) for args in elements]`` on the request's executor (threads: chunks share the
     caller's memory), differentiable as the loop is."""
     f, elements = request.f, request.elements
-    if transforms_active():
-        # NOTE [torch.func and forward AD]: functorch's interpreter stack and forward-AD levels
-        # are state the worker threads do not share, and the join node has no forward rule, so
-        # under a transform the map runs as the plain loop, in the caller's thread.
+    if caller_only() is not None:  # NOTE [state only the caller's thread has]
         return [f(*args) for args in elements]
     call = MapCall(request)
     with_graph = torch.is_grad_enabled() and not call.state.inference

@@ -17,7 +17,7 @@ from .._request import MapRequest
 from .._tree import flatten, unflatten
 from ._call import MapCall
 from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
-from ._graph import Known, batched, hooked, keep_graph, transforms_active
+from ._graph import Known, batched, caller_only, hooked, keep_graph
 from ._map import MapGraph, map_torch
 from ._node import JoinNode, layout_of
 from ._random import MapRandom, moved_by
@@ -42,7 +42,7 @@ def sum_torch(request: MapRequest) -> Any:
         ``create_graph=True`` backward recomputes every chunk (NOTE [double backward
         recomputes]).
     """
-    if transforms_active():
+    if caller_only() is not None:  # NOTE [state only the caller's thread has]
         return sum_results(map_torch(request))
     call = MapCall(request)
     if not (torch.is_grad_enabled() and not call.state.inference):
