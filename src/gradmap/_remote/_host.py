@@ -549,11 +549,14 @@ def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
         if pid is None:
             raise ForeignTensorError(
                 f"{state.api}: f used a tensor that requires grad but did not come from the "
-                f"caller (shape {tuple(t.shape)}): the worker's own copy of a module global, or "
-                "a tensor f cached on the worker. Only tensors reachable from f and the items "
-                "travel (cloudpickle pickles functions of importable modules by reference, so "
-                "their globals are the worker's): pass the tensor as an attribute, closure or "
-                "item, or register the module with cloudpickle.register_pickle_by_value."
+                f"caller (shape {tuple(t.shape)}): the worker's own copy of a module global, a "
+                "tensor f cached on the worker, or a leaf f made itself (x.requires_grad_() to "
+                "take a gradient inside f, such as forces). Only tensors reachable from f and "
+                "the items travel (cloudpickle pickles functions of importable modules by "
+                "reference, so their globals are the worker's): pass the tensor as an "
+                "attribute, closure or item, or register the module with "
+                "cloudpickle.register_pickle_by_value; for a leaf of f's own, use "
+                "executor='threads'."
             )
         pids.append(pid)
     return pids
