@@ -499,6 +499,32 @@ def test_state_only_the_callers_thread_has_runs_the_loop_here(ex):
     works(ex)
 
 
+def test_an_f_that_runs_backward_itself_is_refused(remote, ex):
+    """``loss.backward()`` inside f accumulates, in the loop, into the user's parameters; in a
+    worker, into its own leaves for them: an error naming the fix, not gradients lost."""
+    s = Setup()
+    model = s.model
+
+    def step(x: torch.Tensor) -> float:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss.item()
+
+    with pytest.raises(RuntimeError, match=r"f wrote \.grad of a tensor of yours") as info:
+        gradmap.tmap(step, s.xs, executor=ex, chunksize=3)
+    assert "gradmap.tsum(f, xs).backward()" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
+    del info
+    remote.no_state_left()
+    # The same model, used as the map expects: the loop's gradients.
+    total = gradmap.tsum(lambda x: model(x).pow(2).mean(), s.xs, executor=ex, chunksize=3)
+    close(
+        torch.autograd.grad(total, list(model.parameters())),
+        torch.autograd.grad(sum(model(x).pow(2).mean() for x in s.xs), list(model.parameters())),
+    )
+    works(ex)
+
+
 # -- state on the workers ---------------------------------------------------------------------
 
 

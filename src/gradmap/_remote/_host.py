@@ -178,6 +178,8 @@ class _CallState:
     known: Known
     api: str
     chunks: dict[int, _Kept] = field(default_factory=dict)
+    #: The leaves of the caller's tensors that ``f`` itself holds (parameters, closure tensors).
+    own: list[Tensor] = field(default_factory=list)
 
 
 class KeptFunctions:
@@ -290,6 +292,7 @@ class Host:
             if self._process:  # the caller's own host shares the caller's modules
                 check_settings(spec.settings, api)
             state = _CallState(f, spec, leaves, ShippedSeed(spec.seed_base), known, api)
+            state.own = list(leaves.leaves.values())  # before any item's leaves join them
             self._calls[call_id] = state
         self._check_threads()
         return state
@@ -319,7 +322,12 @@ class Host:
         forgotten afterwards if it keeps no chunk."""
         state = self._call(call_id, box, spec)
         try:
-            return [run(state, k, start, items) for k, start, items in chunks]
+            out = []
+            for k, start, items in chunks:
+                out.append(run(state, k, start, items))
+                if state.own:
+                    _no_grads_written(state, start)
+            return out
         finally:
             self._drop_if_empty(call_id, state)
 
@@ -560,6 +568,25 @@ def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
             )
         pids.append(pid)
     return pids
+
+
+def _no_grads_written(state: _CallState, start: int) -> None:
+    """Raise where ``f`` wrote the ``.grad`` of a tensor of the caller's that it holds (it ran
+    ``.backward()`` itself): in the loop those gradients accumulate in the user's tensors; in
+    another process, in the worker's leaves for them, which never reach the caller."""
+    written = [t for t in state.own if t.grad is not None]
+    if not written:
+        return
+    for t in written:
+        t.grad = None  # (the leaves may serve later calls of a kept f)
+    raise RuntimeError(
+        f"{state.api}: f wrote .grad of a tensor of yours it uses (shape "
+        f"{tuple(written[0].shape)}), in the chunk of elements from {start} (of "
+        f"{state.spec.n}): it ran .backward() itself. A worker's .grad is its own and never "
+        "reaches your process, so the gradients the loop accumulates would be lost. Return "
+        "the loss and take the map's backward (gradmap.tsum(f, xs).backward()), or use "
+        "executor='threads'."
+    )
 
 
 def _no_graph_results(results: list[Any], start: int, state: _CallState) -> None:
