@@ -117,6 +117,30 @@ def test_other_result_shapes_take_the_general_path(tmap_kwargs, kind):
     close(_grads(weigh(got_total), wrt), ref)
 
 
+def test_a_sum_of_pytrees_backward_leaf_by_leaf_like_loop(tmap_kwargs):
+    """The sums of a pytree's leaves have graphs of their own in the loop (when the leaves do),
+    so one backward per sum works; a sum gone through twice raises PyTorch's error (NOTE [a
+    backward of some results])."""
+    w = torch.randn(3, dtype=F64, requires_grad=True)
+    v = torch.randn(3, dtype=F64, requires_grad=True)
+    xs = [torch.randn(3, dtype=F64) for _ in range(7)]
+
+    def f(x: Tensor) -> dict[str, Tensor]:
+        return {"a": (x * w).sin().sum(), "b": (x * v).cos()}
+
+    def run(total: dict[str, Tensor]) -> list[Tensor]:
+        w.grad = v.grad = None
+        total["b"].sum().backward()
+        total["a"].backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            total["b"].sum().backward()
+        assert w.grad is not None and v.grad is not None
+        return [w.grad, v.grad]
+
+    ref = run({k: sum(f(x)[k] for x in xs) for k in ("a", "b")})  # type: ignore[misc]
+    close(run(gradmap.tsum(f, xs, **tmap_kwargs)), ref)
+
+
 def test_gradcheck_and_gradgradcheck():
     model, bags = _model_and_bags(3, n=4)
     bags = [b.detach()[:2].requires_grad_() for b in bags]

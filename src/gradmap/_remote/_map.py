@@ -110,8 +110,7 @@ class _Chunk:
 class _Driver(JoinGraph):
     """The driver's state of one map: what the join's backward needs, and the release."""
 
-    spends_by_output = True  # NOTE [a backward of some results] in ``_join``
-    spent: Spent
+    spent: Spent  # NOTE [a backward of some results] in ``_join``
 
     def __init__(
         self,

@@ -93,8 +93,6 @@ def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
 class MapGraph(JoinGraph):
     """The state shared by the join node's forward and backward."""
 
-    spends_by_output = True  # NOTE [a backward of some results] in ``_join``
-
     def __init__(self, call: MapCall, records: list[ChunkRecord], layout: JoinLayout[Tensor]):
         self.call = call
         self.records: list[ChunkRecord] | None = records
@@ -133,7 +131,7 @@ class MapGraph(JoinGraph):
                 owner=call.owner,
                 recompute=fresh,
                 create_graph=create_graph,
-                free_graph=free_graph and spent.spent(*layout.output_bounds[k]),
+                free_graph=free_graph and self.chunk_spent(k),
                 rerun=call.recompute,
                 wanted=wanted(k),
                 nonzero=None if nonzero is None else chunk_nonzero(k, nonzero),
@@ -155,6 +153,10 @@ class MapGraph(JoinGraph):
             recomputes=fresh is not None,
             batched=batched(cotangents),
         )
+
+    def chunk_spent(self, k: int) -> bool:
+        """Whether backwards that free the graph went through all of chunk ``k``'s results."""
+        return self.spent.spent(*self.layout.output_bounds[k])
 
     def wanted(self, ctx: Any) -> Callable[[int], list[bool] | None]:
         """For each chunk, which of its boundary entries the running backward needs (``None``:
@@ -204,13 +206,13 @@ class MapGraph(JoinGraph):
                 per_chunk[k] = None  # the plain backward passed everything on
         grads = sum_in_chunk_order(layout, per_chunk, torch.add)
         if not keep_graph():
-            if not self.spends_by_output or self.spent.left == 0:
+            if self.spent.left == 0:
                 self.records = None
                 call.free()
                 self._remove_hooks()
             else:  # a backward of some results: the chunks whose results are all gone through
                 for k, record in enumerate(records):
-                    if record.stored and self.spent.spent(*layout.output_bounds[k]):
+                    if record.stored and self.chunk_spent(k):
                         record.drop_graph()
         return grads
 

@@ -54,11 +54,6 @@ def layout_of(records: Sequence[ChunkRecord]) -> JoinLayout[Tensor]:
 class JoinGraph:
     """What a join node holds: the outputs it hands out, once, and its backward."""
 
-    #: The graph keeps account of the outputs each backward went through and raises PyTorch's
-    #: error itself (NOTE [a backward of some results] in ``_join``); otherwise the join saves a
-    #: tensor whose freeing makes a second backward raise it.
-    spends_by_output = False
-
     def join_context(self) -> AbstractContextManager[object]:
         """The context the join's forward runs in."""
         return nullcontext()
@@ -69,7 +64,8 @@ class JoinGraph:
 
     def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> Sequence[Any]:
         """The gradient of each join input (``None`` where none), given the outputs'
-        cotangents; ``ctx`` is the join's."""
+        cotangents; ``ctx`` is the join's. Raises PyTorch's error for outputs that a backward
+        freeing the graph went through before (``_join.Spent``)."""
         raise NotImplementedError
 
 
@@ -82,15 +78,13 @@ class _Join(torch.autograd.Function):
         ctx.graph = graph
         ctx.set_materialize_grads(False)
         with graph.join_context():
-            if not graph.spends_by_output:
-                ctx.save_for_backward(torch.empty(0))
             return graph.join_outputs()
 
     @staticmethod
     def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        # (It saves nothing for the engine to free: the graph keeps its own account of what a
+        # backward went through, NOTE [a backward of some results] in ``_join``.)
         graph: JoinGraph = ctx.graph
-        if not graph.spends_by_output:
-            ctx.saved_tensors  # noqa: B018 - raises PyTorch's error if the graph was already freed
         return (None, *graph.join_backward(ctx, cotangents))
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun, run_pipeline
-from .._join import JoinLayout
+from .._join import JoinLayout, Spent
 from .._progress import open_progress
 from .._request import MapRequest
 from .._tree import flatten, unflatten
@@ -309,8 +309,6 @@ class _SumJoin(JoinNode):
 
 
 class _SumGraph(MapGraph):
-    spends_by_output = False  # the join's saved tensor raises for a second backward
-
     def __init__(
         self,
         call: MapCall,
@@ -322,13 +320,19 @@ class _SumGraph(MapGraph):
         super().__init__(call, [r for r, _ in chunks], layout)
         self.early = [g for _, g in chunks]
         self.outputs = sums
+        self.spent = Spent(len(sums))  # (a sum of pytrees: a sum per leaf)
         self.place = {j: i for i, j in enumerate(diff)}  # a result leaf's place among the sums
 
     def join_outputs(self) -> tuple[Tensor, ...]:
         outputs, self.outputs = self.outputs, []
         return tuple(outputs)
 
+    def chunk_spent(self, k: int) -> bool:
+        return self.spent.left == 0  # every chunk adds to every sum
+
     def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
+        free_graph = not keep_graph()
+        self.spent.spend(cotangents, free=free_graph)  # raises for sums gone through before
         call, records = self.call, self.records
         assert records is not None
         create_graph = torch.is_grad_enabled()
@@ -348,7 +352,6 @@ class _SumGraph(MapGraph):
 
         wanted = self.wanted(ctx)
         c = cotangents[0]
-        free_graph = not keep_graph()
         as_is = c is not None and unscaled(c, not free_graph)
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
@@ -364,7 +367,7 @@ class _SumGraph(MapGraph):
                 owner=call.owner,
                 recompute=call.recompute if recomputed(k) else None,
                 create_graph=create_graph,
-                free_graph=free_graph,
+                free_graph=free_graph and self.spent.left == 0,
                 rerun=call.recompute,
                 wanted=wanted(k),
                 api=call.api,
