@@ -694,6 +694,34 @@ def test_double_backward_through_tensor_iterable_matches_loop(tmap_kwargs):
     assert_grads_equal(run(lambda f, it: gradmap.tmap(f, it, **tmap_kwargs)), run(loop))
 
 
+def test_results_viewing_a_tensor_made_before_refuse_in_place_changes(tmap_kwargs):
+    """A result that views a tensor made before the map (NOTE [results that view a tensor made
+    before the map]) raises at an in-place change to it or to the viewed tensor, where a plain
+    alias lost the gradient without a word; a view of f's own tensor changes as in the loop."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    tm = lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs)  # noqa: E731
+    ys = tm(lambda x: x * w, xs)
+    zs = tm(lambda y: y[1:], ys)
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        zs[0].mul_(2)
+    ys[1].mul_(3)  # the viewed tensor: zs[1] may not be used any more
+    with pytest.raises(RuntimeError, match="its base or another view of its base has been"):
+        zs[1].sum()
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        tm(lambda x: x[0], xs)[0].add_(1)  # a view of a leaf: the loop raises too
+
+    def own(mapper: Callable[..., Any]) -> list[Tensor]:
+        for x in xs:
+            x.grad = None
+        rs = mapper(lambda x: (x * w)[1:], xs)
+        rs[0].mul_(3)
+        torch.stack([r.sum() for r in rs]).sum().backward()
+        return [x.grad for x in xs]  # type: ignore[misc]
+
+    assert_grads_equal(own(tm), own(loop))
+
+
 @pytest.mark.parametrize("how", ["is_grads_batched", "jacobian", "hessian", "torch.vmap"])
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_batched_backward_matches_loop(tmap_kwargs, how, api):

@@ -111,7 +111,7 @@ class ChunkRecord:
         turns the chunk general: records are made for the elements before it.
     """
 
-    __slots__ = ("_elements", "boundary", "indices", "outputs", "results", "stored")
+    __slots__ = ("_elements", "boundary", "indices", "outputs", "results", "stored", "views")
 
     def __init__(self) -> None:
         self._elements: list[ElementResult] | None = []
@@ -120,6 +120,9 @@ class ChunkRecord:
         self.outputs: list[Tensor] = []
         self.boundary: Boundary = Boundary()
         self.stored = False  # whether ``outputs`` still carry the chunk's graph
+        #: The outputs that are views of tensors made before the chunk (NOTE [results that
+        #: view a tensor made before the map]); ``None``: none.
+        self.views: list[int] | None = None
 
     @property
     def elements(self) -> list[ElementResult]:
@@ -250,9 +253,40 @@ def run_forward(
     if random is not None and last is not None:
         random.check_chunk(last)
     if known is not None and outputs:
-        record.boundary = find_boundary(outputs, lo, sequence_nr(), known)
+        hi = sequence_nr()
+        record.boundary = find_boundary(outputs, lo, hi, known)
+        record.views = _views_from_before(outputs, lo, hi)
         record.stored = True
     return record
+
+
+def _views_from_before(outputs: list[Tensor], lo: int, hi: int) -> list[int] | None:
+    """The positions of the outputs that are views of a tensor made before the chunk (a leaf,
+    or a tensor whose node is numbered outside the chunk's range ``lo..hi-1``).
+
+    NOTE [results that view a tensor made before the map]:
+        ``f`` may return a view of its item or of a tensor it reads (``x[0]``, ``y.view(-1)``).
+        The join hands out a detached alias of each result, which shares its storage and
+        version counter; were it a plain tensor, an in-place change to it (or to the viewed
+        tensor) after the map would regenerate the chunk result's node from the viewed
+        tensor's, past the boundary the chunk is pulled back to, and the gradient would be lost
+        without a word (the loop's gradient; or, for a view of a leaf, the leaf's values
+        changed where the loop raises). Such results are handed out as views, which PyTorch
+        forbids to change in place as the outputs of a custom Function: an error at the change,
+        naming it. Views of the chunk's own tensors stay plain aliases: their regenerated node
+        stays inside the chunk. (A node made in another thread can be numbered inside the range:
+        then the result is taken for the chunk's own, as before.)
+    """
+    views = None
+    for i, t in enumerate(outputs):
+        if t._is_view():
+            base = t._base
+            node = None if base is None else base.grad_fn
+            if node is None or not lo <= node._sequence_nr() < hi:
+                if views is None:
+                    views = []
+                views.append(i)
+    return views
 
 
 #: What ``pull_back`` returns for a chunk that can only be pulled back as a plain ``backward()``

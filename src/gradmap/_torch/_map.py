@@ -107,7 +107,15 @@ class MapGraph(JoinGraph):
 
     def join_outputs(self) -> tuple[Tensor, ...]:
         outputs, self.outputs = self.outputs, []
-        return tuple(t.detach() for t in outputs)
+        joined = [t.detach() for t in outputs]
+        start = 0
+        for r in self.records or ():
+            # NOTE [results that view a tensor made before the map] (``_chunk``)
+            for i in r.views or ():
+                t = outputs[start + i]
+                joined[start + i] = t.view_as(t)
+            start += len(r.outputs)
+        return tuple(joined)
 
     def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
         call, layout, spent = self.call, self.layout, self.spent
