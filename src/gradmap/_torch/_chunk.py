@@ -277,6 +277,8 @@ def _views_from_before(outputs: list[Tensor], lo: int, hi: int) -> list[int] | N
         stays inside the chunk. (A node made in another thread can be numbered inside the range:
         then the result is taken for the chunk's own, as before.)
     """
+    if not any(map(Tensor._is_view, outputs)):
+        return None  # (the common case, in one pass without a Python frame per output)
     views = None
     for i, t in enumerate(outputs):
         if t._is_view():
