@@ -694,6 +694,29 @@ def test_double_backward_through_tensor_iterable_matches_loop(tmap_kwargs):
     assert_grads_equal(run(lambda f, it: gradmap.tmap(f, it, **tmap_kwargs)), run(loop))
 
 
+def test_leaf_results_are_handed_out_as_they_are(tmap_kwargs):
+    """NOTE [leaves returned as they are]: a leaf ``f`` returns -- its item, a parameter, one it
+    made -- is the loop's very object, and its ``.grad`` the loop's."""
+    w = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(2, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+
+    def f(i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        made = torch.full((2,), float(i), dtype=torch.float64, requires_grad=True)
+        return xs[i], w, made, (made * w).sum()
+
+    def run(mapper: Callable[..., Any]) -> list[Any]:
+        for t in (w, *xs):
+            t.grad = None
+        rs = mapper(f, range(4))
+        assert all(r[0] is xs[i] and r[1] is w and r[2].is_leaf for i, r in enumerate(rs))
+        sum(
+            (r[0] * r[1]).sum() + r[2].pow(2).sum() * (i + 1) + r[3] for i, r in enumerate(rs)
+        ).backward()
+        return [w.grad, *(x.grad for x in xs), *(r[2].grad for r in rs)]
+
+    assert_grads_equal(run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs)), run(loop))
+
+
 def test_results_viewing_a_tensor_made_before_refuse_in_place_changes(tmap_kwargs):
     """A result that views a tensor made before the map (NOTE [results that view a tensor made
     before the map]) raises at an in-place change to it or to the viewed tensor, where a plain

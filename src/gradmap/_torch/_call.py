@@ -106,6 +106,7 @@ class MapCall:
                 random=seeded,
                 stop=lambda: run.stopped(k),
                 api=self.api,
+                leaf_results=self.api == "gradmap.tmap",  # NOTE [leaves returned as they are]
             )
             if self.remat:
                 record.drop_graph()  # its boundary is read: free it before the next chunk
@@ -149,7 +150,13 @@ class MapCall:
         replay = self.random.replaying(seeded)
         with torch.enable_grad(), self.state.autocast_context(), replay as seeded_by:
             return run_forward(
-                self.f, self.elements, indices, known=self.known, random=seeded_by, api=self.api
+                self.f,
+                self.elements,
+                indices,
+                known=self.known,
+                random=seeded_by,
+                api=self.api,
+                leaf_results=self.api == "gradmap.tmap",
             )
 
     def free(self) -> None:

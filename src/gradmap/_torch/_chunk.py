@@ -185,6 +185,7 @@ def run_forward(
     random: MapRandom | None,
     stop: Callable[[], bool] | None = None,
     api: str = "gradmap.tmap",
+    leaf_results: bool = False,
 ) -> ChunkRecord:
     """Run ``f`` on ``elements[i] for i in indices``, untouched; read the chunk's boundary off its
     graph when grad mode is on (``known`` given).
@@ -197,6 +198,15 @@ def run_forward(
         random: seed the global generator per element (a forward in one thread), or ``None``.
         stop: returns true when the chunk should stop before its next element.
         api: the name errors give.
+        leaf_results: leaves are returned as they are (``tmap`` on threads).
+
+    NOTE [leaves returned as they are]:
+        A result of ``tmap`` that is a leaf requiring grad -- ``f`` returned its item, a
+        parameter, or a tensor it made with ``requires_grad=True`` -- is handed out as it is,
+        the same object as in the loop, not as an output of the join: it has no graph to pull
+        back, and its ``.grad`` is the user's to read (through the join, the user held an alias
+        that is no leaf, and the gradient went to a tensor no one could reach). ``tsum`` adds
+        its results, so a leaf among them reaches the sum's graph as any other result.
     """
     record = ChunkRecord()
     outputs = record.outputs
@@ -221,14 +231,17 @@ def run_forward(
             add_note(exc, element_note(i, n, "forward", api))
             raise
         if compact is not None:
-            if isinstance(y, Tensor) and y.requires_grad is (compact is outputs):
+            if isinstance(y, Tensor) and (y.requires_grad and not (leaf_results and y.is_leaf)) is (
+                compact is outputs
+            ):
                 compact.append(y)
                 record.indices.append(i)
                 continue
             elements_out = record.elements  # records for the elements before this one
             record.results = compact = None
         elif not elements_out and isinstance(y, Tensor):  # the first element: a bare tensor
-            compact = outputs if y.requires_grad else []
+            diff_y = y.requires_grad and not (leaf_results and y.is_leaf)
+            compact = outputs if diff_y else []
             compact.append(y)
             record.indices.append(i)
             record.results = compact
@@ -237,7 +250,7 @@ def run_forward(
         assert elements_out is not None
         start = len(outputs)
         if isinstance(y, Tensor):
-            if y.requires_grad:
+            if y.requires_grad and not (leaf_results and y.is_leaf):
                 outputs.append(y)
                 elements_out.append(ElementResult(i, y, None, None, _FIRST, start, start + 1))
             else:
@@ -246,7 +259,11 @@ def run_forward(
         leaves, spec = flatten(y)
         diff = []
         for j, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor) and leaf.requires_grad:
+            if (
+                isinstance(leaf, Tensor)
+                and leaf.requires_grad
+                and not (leaf_results and leaf.is_leaf)
+            ):
                 outputs.append(leaf)
                 diff.append(j)
         elements_out.append(ElementResult(i, None, leaves, spec, diff, start, len(outputs)))
