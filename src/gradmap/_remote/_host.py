@@ -37,7 +37,7 @@ from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_b
 from .._torch._graph import Known
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
-from .._tree import flatten
+from .._tree import flatten, unflatten
 from ._kept import KeptItems, KeptOnHost
 from ._pickling import AsIs, LeafTable, dumps_results, loads
 from ._settings import Setting, check_settings
@@ -612,8 +612,6 @@ def _no_graph_results(results: list[Any], start: int, state: _CallState) -> None
 
 def _detached_all(tree: Any) -> Any:
     """``tree`` with every tensor that requires grad detached."""
-    from .._tree import flatten, unflatten
-
     leaves, spec = flatten(tree)
     if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
         return tree
@@ -635,8 +633,6 @@ _FIRST = (0,)
 
 
 def _detached_tree(el: Any) -> Any:
-    from .._tree import unflatten
-
     leaves = list(el.leaves)
     for pos in el.diff:
         leaves[pos] = leaves[pos].detach()

@@ -113,8 +113,8 @@ def caller_only() -> str | None:
         ``save_on_cpu``, a non-reentrant ``checkpoint`` around the map: pool threads saved
         their tensors unhooked, so hooks that change what they save gave other gradients, and a
         checkpoint around the map kept the chunks' graphs whole), and torch function and
-        dispatch modes
-        (``FlopCounterMode``, ``torch.set_default_device``, a user's ``TorchDispatchMode``).
+        dispatch modes (``FlopCounterMode``, ``torch.set_default_device``, a user's
+        ``TorchDispatchMode``).
         Replaying them in pool threads would run users' hooks and modes concurrently and out
         of order, which the loop never does. So under any of them a map runs as the plain
         loop, in the caller's thread: the loop's results and gradients by construction, and no

@@ -129,7 +129,8 @@ class MapGraph(JoinGraph):
         # Which cotangents are zero, for every chunk in one stack here (a map's losses), not per
         # chunk in the pullbacks' threads: five small ops per chunk there held the GIL the
         # engine's threads wanted (py-spy, ragged bags: a tenth of the pullbacks' GIL time).
-        nonzero = nonzero_stacked(cotangents) if fresh is None and not batched(cotangents) else None
+        under_vmap = batched(cotangents)
+        nonzero = nonzero_stacked(cotangents) if fresh is None and not under_vmap else None
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             return pull_back(
@@ -159,7 +160,7 @@ class MapGraph(JoinGraph):
             chunk_cotangents,
             create_graph=create_graph,
             recomputes=fresh is not None,
-            batched=batched(cotangents),
+            batched=under_vmap,
         )
 
     def chunk_spent(self, k: int) -> bool:

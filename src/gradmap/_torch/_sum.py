@@ -367,7 +367,7 @@ class _SumGraph(MapGraph):
                 owner=call.owner,
                 recompute=call.recompute if recomputed(k) else None,
                 create_graph=create_graph,
-                free_graph=free_graph and self.spent.left == 0,
+                free_graph=free_graph and self.chunk_spent(k),
                 rerun=call.recompute,
                 wanted=wanted(k),
                 api=call.api,
