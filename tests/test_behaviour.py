@@ -10,6 +10,7 @@ import concurrent.futures
 import gc
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import namedtuple
@@ -630,6 +631,55 @@ def test_backward_result_by_result_like_loop(tmap_kwargs, how):
         # (free-threaded CPython frees a pool thread's objects when that thread runs again:
         # ``measured`` in test_leaks.py)
         assert not ref_left and not got_left, "graphs outlive the last backward"
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward waits ``delay`` seconds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, delay: float) -> Tensor:  # type: ignore[override]
+        ctx.delay = delay
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        time.sleep(ctx.delay)
+        return g, None
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_two_threads_pull_back_different_results_at_once(tmap_kwargs, remat):
+    """Two user threads pull back the even and the odd results of one map at the same time, as
+    they may two sets of elements' graphs in the loop: each gets the loop's gradient. The even
+    elements' backward is slow, so the odd backward -- which spends the map's last results --
+    ends while the even one still runs; it must not free what that one needs (NOTE [one
+    backward of a join at a time]; with ``remat`` the even pullbacks failed with it freed)."""
+    torch.manual_seed(2)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(8)]
+
+    def f(x: Tensor, i: int) -> Tensor:
+        return _SlowBackward.apply((x * w).exp(), 0.2 if i % 2 == 0 else 0.0).sum()
+
+    ys = gradmap.tmap(f, xs, range(8), remat=remat, **tmap_kwargs)
+    got: dict[int, Any] = {}
+
+    def pull(parity: int) -> None:
+        time.sleep(0.05 * parity)  # the even backward first
+        try:
+            got[parity] = torch.autograd.grad(sum(ys[i] for i in range(parity, 8, 2)), w)[0]
+        except Exception as exc:  # (reported below)
+            got[parity] = exc
+
+    threads = [threading.Thread(target=pull, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for parity in (0, 1):
+        ref = torch.autograd.grad(sum(f(xs[i], i) for i in range(parity, 8, 2)), w)[0]
+        assert not isinstance(got[parity], Exception), repr(got[parity])
+        torch.testing.assert_close(got[parity], ref)
 
 
 def test_retain_graph_twice_accumulates_like_loop(tmap_kwargs):

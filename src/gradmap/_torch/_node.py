@@ -23,10 +23,21 @@ NOTE [the join node]:
     PyTorch's own error. A backward of some of a map's results frees only their chunks' share,
     as the loop's frees only their elements' graphs (NOTE [a backward of some results] in
     ``_join``).
+
+NOTE [one backward of a join at a time]:
+    Two threads may pull back different results of one map at once (``autograd.grad`` of the
+    even results in one, of the odd in another), as they may two elements' graphs in the loop.
+    The join's account of what was gone through, and the freeing of the map's state when the
+    last result is, are not safe to interleave: the backward that spends the last results could
+    free what the other backward's pullbacks still run (``remat``'s recompute failed so). So
+    each join runs one backward at a time (a lock per join node; reentrant, for a backward that
+    reaches the same join again from the caller's thread); the chunks of each still pull back in
+    parallel.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -76,6 +87,7 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graph: JoinGraph, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.graph = graph
+        ctx.lock = threading.RLock()  # NOTE [one backward of a join at a time]
         ctx.set_materialize_grads(False)
         with graph.join_context():
             return graph.join_outputs()
@@ -85,7 +97,8 @@ class _Join(torch.autograd.Function):
         # (It saves nothing for the engine to free: the graph keeps its own account of what a
         # backward went through, NOTE [a backward of some results] in ``_join``.)
         graph: JoinGraph = ctx.graph
-        return (None, *graph.join_backward(ctx, cotangents))
+        with ctx.lock:
+            return (None, *graph.join_backward(ctx, cotangents))
 
 
 #: The join; its node in the caller's graph is a ``_JoinBackward`` (``_SumJoinBackward`` for
