@@ -329,6 +329,64 @@ def test_a_result_that_requires_grad_under_no_grad_is_refused(remote, ex):
     remote.no_state_left()
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_leaves_f_returns_come_back_as_they_are(remote, ex, grad):
+    """A leaf requiring grad that f returns is handed out as in the loop (NOTE [leaves that come
+    back from another process]): an item or a parameter of the caller's is the caller's very
+    object, under grad mode and no_grad alike; a leaf f makes comes back as a fresh leaf,
+    whose .grad the user's backward fills (with processes, it used to be a join alias whose
+    .grad stayed None, or refused)."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(3, 2)
+    xs = [torch.randn(3, requires_grad=True) for _ in range(5)]
+
+    def f(x: torch.Tensor) -> Any:
+        made = torch.full((2,), float(x.detach().sum()), requires_grad=True)
+        return {"x": x, "w": lin.weight, "made": made, "twice": (made, made), "y": lin(x).sum()}
+
+    def run(mapper: Callable[..., list[Any]]) -> tuple[list[Any], list[Any]]:
+        with torch.set_grad_enabled(grad):
+            ys = mapper(f, xs)
+        if not grad:
+            return ys, []
+        loss = sum((y["x"] * 2).sum() + (y["made"] * 3).sum() + y["y"] for y in ys)
+        loss.backward()
+        grads = [lin.weight.grad.clone(), *(x.grad.clone() for x in xs)]
+        grads += [y["made"].grad for y in ys]
+        for t in (lin.weight, lin.bias, *xs):
+            t.grad = None
+        return ys, grads
+
+    got, got_grads = run(_on(ex))
+    ref, ref_grads = run(loop)
+    for y, r, x in zip(got, ref, xs):
+        assert y["x"] is x and y["w"] is lin.weight
+        assert y["made"].is_leaf and y["made"].requires_grad and r["made"].is_leaf
+        assert y["twice"][0] is y["twice"][1] is y["made"]
+        torch.testing.assert_close(y["made"], r["made"])
+        assert y["y"].requires_grad is r["y"].requires_grad is grad
+    for g, r in zip(got_grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    del got
+    remote.no_state_left()
+
+
+def test_a_tensor_of_the_callers_changed_in_place_and_returned_is_refused(remote, ex):
+    """In the loop f's in-place change of a tensor of the user's changes the user's tensor; in
+    another process it may stay in the worker's copy: an error naming the element."""
+    xs = [torch.zeros(2, requires_grad=True) for _ in range(4)]
+
+    def bump(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i == 2:
+            with torch.no_grad():
+                x.add_(1)
+        return x
+
+    with pytest.raises(RuntimeError, match=r"changed in place a tensor of yours .* element 2"):
+        gradmap.tmap(bump, range(4), xs, executor=ex, chunksize=2)
+    remote.no_state_left()
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 

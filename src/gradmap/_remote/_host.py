@@ -39,7 +39,7 @@ from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
 from ._kept import KeptItems, KeptOnHost
-from ._pickling import AsIs, LeafTable, dumps_results, loads
+from ._pickling import AsIs, LeafResult, LeafTable, dumps_results, loads
 from ._settings import Setting, check_settings
 
 __all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "draw_base", "in_worker"]
@@ -339,6 +339,8 @@ class Host:
                 plain = _run(state, start, local, graph=False)
             results = list(plain.plain_results())
             if spec.api == "gradmap.tmap":  # a sum made with grad mode off has no graph either
+                for j, y in enumerate(results):
+                    results[j] = _plain_leaf_results(y, state, start + j)
                 _no_graph_results(results, start, state)
             if not self._process:  # as pickling would: no leaf of this host reaches the caller
                 results = [_detached_all(y) for y in results]
@@ -350,7 +352,8 @@ class Host:
         pids = _pids(state, record)
         if not spec.remat:
             state.chunks[k] = _Kept(record, pids)
-        return self._out((*_detached_results(record), sorted(set(pids)), state.seed.drawn))
+        results, diff = _detached_results(record, state, start)
+        return self._out((results, diff, sorted(set(pids)), state.seed.drawn))
 
     def backward(
         self, call_id: str, chunks: list[tuple[int, bytes, bool]], backward_state: ThreadState
@@ -431,7 +434,8 @@ class Host:
         if not losses:
             state.chunks[k] = _Kept(record, _pids(state, record))
             pids = sorted(set(state.chunks[k].pids))
-            return self._out((*_detached_results(record), pids, state.seed.drawn))
+            results, diff = _detached_results(record, state, start)
+            return self._out((results, diff, pids, state.seed.drawn))
         # Added one by one, in element order, as the thread executor adds a chunk's results.
         values = [t.detach() for t in record.outputs]
         total = values[0]
@@ -531,6 +535,7 @@ def _run(state: _CallState, start: int, local: list[Any], *, graph: bool = True)
         known=state.known if graph else None,
         random=state.seed,
         api=state.api,
+        leaf_results=state.spec.api == "gradmap.tmap",  # NOTE [leaves returned as they are]
     )
 
 
@@ -610,6 +615,22 @@ def _no_graph_results(results: list[Any], start: int, state: _CallState) -> None
         )
 
 
+def _plain_leaf_results(y: Any, state: _CallState, element: int) -> Any:
+    """A result of a map without a graph, each leaf requiring grad made a [`LeafResult`][]
+    (NOTE [leaves that come back from another process])."""
+    if isinstance(y, Tensor):
+        if not y.requires_grad:
+            return y
+        one = [y]
+        leaf_results(one, state, element)
+        return one[0]
+    leaves, spec = flatten(y)
+    if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
+        return y
+    leaf_results(leaves, state, element)
+    return unflatten(leaves, spec)
+
+
 def _detached_all(tree: Any) -> Any:
     """``tree`` with every tensor that requires grad detached."""
     leaves, spec = flatten(tree)
@@ -620,23 +641,66 @@ def _detached_all(tree: Any) -> Any:
     )
 
 
-def _detached_results(record: Any) -> tuple[list[Any], list[Any]]:
-    """A chunk's results with their differentiable leaves detached, and those leaves' places."""
+def _detached_results(record: Any, state: _CallState, start: int) -> tuple[list[Any], list[Any]]:
+    """A chunk's results with their differentiable leaves detached, and those leaves' places;
+    leaves that require grad, returned as they are, become [`LeafResult`][]s."""
     if record.results is not None:  # NOTE [a chunk of bare tensors]: no record per element
         if record.results is record.outputs:
             return [t.detach() for t in record.outputs], [_FIRST] * len(record.outputs)
-        return list(record.results), [()] * len(record.results)
-    return [_detached_tree(el) for el in record.elements], [el.diff for el in record.elements]
+        results = list(record.results)
+        if any(t.requires_grad for t in results):
+            leaf_results(results, state, start, each=True)
+        return results, [()] * len(results)
+    trees = []
+    for e, el in enumerate(record.elements):
+        leaves = list(el.leaves)
+        for pos in el.diff:
+            leaves[pos] = leaves[pos].detach()
+        if len(el.diff) < len(leaves):
+            leaf_results(leaves, state, start + e)
+        trees.append(unflatten(leaves, el.spec))
+    return trees, [el.diff for el in record.elements]
 
 
 _FIRST = (0,)
 
 
-def _detached_tree(el: Any) -> Any:
-    leaves = list(el.leaves)
-    for pos in el.diff:
-        leaves[pos] = leaves[pos].detach()
-    return unflatten(leaves, el.spec)
+def leaf_results(values: list[Any], state: _CallState, element: int, each: bool = False) -> None:
+    """Replace, in place, each tensor among ``values`` (element ``element``'s result leaves; or,
+    ``each``, a chunk of bare results from element ``element`` on) that is a leaf requiring
+    grad by a [`LeafResult`][]:
+    ``tmap`` hands it out as it is (NOTE [leaves returned as they are] in ``_torch/_chunk``),
+    one of the caller's tensors as the caller's own object, a leaf ``f`` made as a fresh leaf
+    in the caller's process.
+
+    NOTE [leaves that come back from another process]:
+        A leaf ``f`` returns is no join output: it has no graph to pull back. One of the
+        caller's tensors (an item, a parameter) comes back as its pid and the caller hands out
+        its original, as the loop returns that very object; a leaf ``f`` made comes back as its
+        value and becomes a leaf of the caller's, whose ``.grad`` the user's backward fills (if
+        another result of the element's graph reached it, the chunk's boundary holds it, and
+        ``_pids`` refuses it: its gradient would stay in the worker). A tensor of the caller's
+        that ``f`` changed in place (under ``no_grad``) is refused: the change stays in the
+        worker's copy, where the loop changes the user's tensor.
+    """
+    seen: dict[int, LeafResult] = {}  # one object returned twice comes back as one
+    for j, t in enumerate(values):
+        if not (isinstance(t, Tensor) and t.requires_grad and t.is_leaf):
+            continue
+        marker = seen.get(id(t))
+        if marker is None:
+            pid = state.leaves.pid(t)
+            if pid is not None and state.leaves.changed(pid):
+                i = element + j if each else element
+                raise RuntimeError(
+                    f"{state.api}: f changed in place a tensor of yours that requires grad "
+                    f"(shape {tuple(t.shape)}) and returned it, element {i} (of "
+                    f"{state.spec.n}). In another process the change stays in the worker's "
+                    "copy, where the loop changes your tensor. Return a new tensor (t.clone() "
+                    "before changing it), or use executor='threads'."
+                )
+            marker = seen[id(t)] = LeafResult.of(t, pid)
+        values[j] = marker
 
 
 def _by_pid(pids: list[int], grads: list[Tensor | None] | None) -> list[tuple[int, Tensor]]:

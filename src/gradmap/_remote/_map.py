@@ -77,7 +77,7 @@ from .._torch._sum import sum_results, unscaled
 from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker
 from ._kept import KeptItems, items_cache
-from ._pickling import AsIs, TensorTable, dumps, dumps_results, loads_results
+from ._pickling import AsIs, LeafResult, TensorTable, dumps, dumps_results, loads_results
 from ._schedule import Job, Transport, run_pass
 from ._settings import settings_of
 
@@ -387,6 +387,8 @@ def map_remote(request: MapRequest) -> Any:
     if not graph:
         call.release()
         results = [y for trees, _ in per_chunk for y in trees]
+        if not summed:
+            results = _leaves_handed_out(results, table)
         if summed:
             return sum_results(results, [len(trees) for trees, _ in per_chunk])
         return results
@@ -413,8 +415,11 @@ def map_remote(request: MapRequest) -> Any:
                 sizes.append(len(trees))
                 call.chunks[k].outputs = (lo, len(call.outputs))
                 continue
+            fresh: dict[int, Tensor] = {}
             for tree, positions in zip(trees, diff):
                 leaves, spec_ = flatten(tree)
+                if len(positions) < len(leaves):
+                    _hand_out(leaves, table, fresh)
                 for pos in positions:
                     call.outputs.append(leaves[pos])
                 placed.append((leaves, spec_, positions))
@@ -436,6 +441,36 @@ def map_remote(request: MapRequest) -> Any:
 
 
 _FIRST = (0,)
+
+
+def _leaves_handed_out(results: list[Any], table: TensorTable) -> list[Any]:
+    """``tmap``'s results without a graph, each [`LeafResult`][] replaced by the caller's
+    object (NOTE [leaves that come back from another process] in ``_host``)."""
+    fresh: dict[int, Tensor] = {}
+    out = []
+    for y in results:
+        if isinstance(y, Tensor):
+            out.append(y)
+            continue
+        leaves, spec_ = flatten(y)
+        if _hand_out(leaves, table, fresh):
+            y = unflatten(leaves, spec_)
+        out.append(y)
+    return out
+
+
+def _hand_out(leaves: list[Any], table: TensorTable, fresh: dict[int, Tensor]) -> bool:
+    """Replace each [`LeafResult`][] among ``leaves`` by the caller's object for it (one per
+    marker: ``fresh`` maps each marker already seen in the chunk to its leaf); whether any was."""
+    found = False
+    for j, leaf in enumerate(leaves):
+        if type(leaf) is LeafResult:
+            t = fresh.get(id(leaf))
+            if t is None:
+                t = fresh[id(leaf)] = leaf.caller_object(table)
+            leaves[j] = t
+            found = True
+    return found
 
 
 def _results(

@@ -56,6 +56,7 @@ Tensor = torch.Tensor
 
 __all__ = [
     "AsIs",
+    "LeafResult",
     "LeafTable",
     "Share",
     "TensorTable",
@@ -187,6 +188,7 @@ class LeafTable:
     def __init__(self) -> None:
         self.leaves: dict[int, Tensor] = {}
         self._pids: dict[int, int] = {}
+        self._versions: dict[int, int] = {}
 
     def leaf(self, pid: int, value: Tensor, is_parameter: bool) -> Tensor:
         leaf = self.leaves.get(pid)
@@ -194,6 +196,7 @@ class LeafTable:
             leaf = nn.Parameter(value) if is_parameter else value.requires_grad_()
             self.leaves[pid] = leaf
             self._pids[id(leaf)] = pid
+            self._versions[pid] = leaf._version
         return leaf
 
     def copy(self) -> LeafTable:
@@ -201,11 +204,49 @@ class LeafTable:
         table = LeafTable()
         table.leaves = dict(self.leaves)
         table._pids = dict(self._pids)
+        table._versions = {pid: leaf._version for pid, leaf in self.leaves.items()}
         return table
 
     def pid(self, t: Tensor) -> int | None:
         """The pid of ``t`` if it is one of the leaves, else ``None``."""
         return self._pids.get(id(t))
+
+    def changed(self, pid: int) -> bool:
+        """Whether the leaf of ``pid`` was changed in place since this table made (or copied)
+        it."""
+        return self.leaves[pid]._version != self._versions[pid]
+
+
+class LeafResult:
+    """A leaf requiring grad that ``f`` returned as it is, on its way back to the caller: one of
+    the caller's tensors (its ``pid``), or a leaf ``f`` made (its detached ``value``, and whether
+    it was a parameter). NOTE [leaves that come back from another process] in ``_host``."""
+
+    __slots__ = ("parameter", "pid", "value")
+
+    def __init__(self, pid: int | None, value: Tensor | None, parameter: bool) -> None:
+        self.pid = pid
+        self.value = value
+        self.parameter = parameter
+
+    @staticmethod
+    def of(t: Tensor, pid: int | None) -> LeafResult:
+        """The marker for ``t``, a leaf requiring grad (``pid``: its pid, if it is the caller's)."""
+        if pid is not None:
+            return LeafResult(pid, None, False)
+        return LeafResult(None, t.detach(), isinstance(t, nn.Parameter))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return LeafResult, (self.pid, self.value, self.parameter)
+
+    def caller_object(self, table: TensorTable) -> Tensor:
+        """What the caller hands out: its own tensor, or a fresh leaf of the value."""
+        if self.pid is not None:
+            return table.tensors[self.pid]
+        assert self.value is not None
+        if self.parameter:
+            return nn.Parameter(self.value)
+        return self.value.requires_grad_()
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
