@@ -483,7 +483,9 @@ def test_upstream_graph_runs_once(tmap_kwargs):
 
 
 def test_elements_without_gradient_do_no_backward_work(tmap_kwargs):
-    """Unused results and zero cotangents: those elements' pullbacks never run."""
+    """Unused results: those elements' pullbacks never run. A zero cotangent reaches a custom
+    Function's backward, as in the loop (NOTE [chunks whose backward is user code]); elements
+    whose graphs are PyTorch's own ops do no work for zeros (``test_zero_cotangent_*``)."""
     log: list[int] = []
     w = torch.randn(3, requires_grad=True)
     xs = [torch.randn(3) for _ in range(8)]
@@ -492,7 +494,7 @@ def test_elements_without_gradient_do_no_backward_work(tmap_kwargs):
     )
     loss = out[0] + 3 * out[2] + 0 * out[5] + out[7]  # 1, 3, 4, 6 unused; 5 gets a zero
     (got,) = torch.autograd.grad(loss, w)
-    assert sorted(log) == [0, 2, 7]
+    assert sorted(log) == [0, 2, 5, 7]  # the loop's: 1, 3, 4, 6 unused
     (want,) = torch.autograd.grad(xs[0] @ w + 3 * (xs[2] @ w) + xs[7] @ w, w)
     torch.testing.assert_close(got, want)
 
@@ -680,6 +682,79 @@ def test_two_threads_pull_back_different_results_at_once(tmap_kwargs, remat):
         ref = torch.autograd.grad(sum(f(xs[i], i) for i in range(parity, 8, 2)), w)[0]
         assert not isinstance(got[parity], Exception), repr(got[parity])
         torch.testing.assert_close(got[parity], ref)
+
+
+class _AddsTerm(torch.autograd.Function):
+    """The identity, whose backward adds a term of its own: not zero for a zero gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return g + 0.5 * x
+
+
+@pytest.mark.parametrize("kind", ["hook", "function", "retain_grad"])
+def test_zero_cotangents_run_backward_user_code_as_in_the_loop(tmap_kwargs, kind):
+    """An element whose results get zero cotangents does no backward work -- unless its graph
+    runs user code, which in the loop runs with the zeros (NOTE [chunks whose backward is user
+    code]): a hook adding to the gradient, a custom Function adding a term, a retained
+    gradient of zeros. (Tensor hooks are seen by the native walk only.)"""
+    if kind != "function" and not native_walk():
+        pytest.skip("the Python walk does not see hooks on tensors f made")
+
+    def run(mapper: Callable[..., list[Tensor]]) -> list[Any]:
+        w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+        calls: list[Any] = []
+        kept: dict[int, Tensor] = {}
+
+        def f(i: int) -> Tensor:
+            h = w * (i + 1)
+            if kind == "hook":
+                h.register_hook(lambda g: (calls.append((i, g.tolist())), g + 1.0)[1])
+            elif kind == "function":
+                h = _AddsTerm.apply(h)
+            else:
+                h.retain_grad()
+                kept[i] = h
+            return h.sum()
+
+        ys = mapper(f, range(4))
+        (0 * ys[0] + ys[1] + 0 * ys[3]).backward()
+        return [w.grad, sorted(calls), *(kept[i].grad for i in sorted(kept))]
+
+    got = run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
+    ref = run(loop)
+    assert got[1] == ref[1]
+    torch.testing.assert_close([got[0], *got[2:]], [ref[0], *ref[2:]])
+
+
+@pytest.mark.parametrize("later_use", [False, True])
+def test_a_result_f_retains_the_gradient_of_gets_the_loops(tmap_kwargs, later_use):
+    """``h.retain_grad(); return h`` in f: the result the user holds retains its gradient, all
+    of it -- from the user's loss, and from f's own later use of it (NOTE [results that retain
+    their gradient])."""
+
+    def run(mapper: Callable[..., list[Any]]) -> list[Any]:
+        w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+
+        def f(i: int) -> tuple[Tensor, Tensor]:
+            h = w * (i + 1)
+            h.retain_grad()
+            return h, h.sum() * 2 if later_use else h.detach().sum()
+
+        ys = mapper(f, range(3))
+        sum((h * (k + 1)).sum() + s for k, (h, s) in enumerate(ys)).backward()
+        return [w.grad, *(h.grad for h, _ in ys), [h.retains_grad for h, _ in ys]]
+
+    got = run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
+    ref = run(loop)
+    assert got[-1] == ref[-1] == [True] * 3
+    torch.testing.assert_close(got[:-1], ref[:-1])
 
 
 def test_retain_graph_twice_accumulates_like_loop(tmap_kwargs):

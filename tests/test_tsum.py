@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor, nn
 
 import gradmap
 
+import support
 from support import Boom, close, gradmap_notes
 
 pytestmark = pytest.mark.usefixtures("both_walks")
@@ -334,3 +337,79 @@ def test_every_error_of_tsum_names_tsum():
         gradmap.tsum(lambda a: (w * a).sum(), [1, 2], progress=3)
     with pytest.raises(TypeError, match=r"^gradmap.tsum: f must be callable"):
         gradmap.tsum(3, [1, 2])
+
+
+# -- backwards that run user code (NOTE [chunks whose backward is user code]) -------------------
+
+
+class _Clip(torch.autograd.Function):
+    """The identity, whose backward clips the gradient: not linear in it."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        return g.clamp(-0.5, 0.5)
+
+
+@pytest.mark.parametrize("executor", ["threads", "serial"])
+@pytest.mark.parametrize("kind", ["hook", "function", "retain_grad"])
+def test_backward_user_code_sees_the_sums_cotangent_when_the_backward_runs(executor, kind):
+    """A hook on a tensor f made, a custom Function's backward, a retained gradient: in the
+    loop they run in the backward, with the cotangent the loss brings (here 3, then 0.25). A
+    chunk of losses must not be pulled back early with cotangent one and scaled: the clipping
+    gave 4.5 for 1.5, hooks ran in the forward, retained gradients read 1 for 0.25. (Tensor
+    hooks are seen by the native walk only.)"""
+    if kind != "function" and not support.native_walk():
+        pytest.skip("the Python walk does not see hooks on tensors f made")
+
+    def run(total: Any) -> tuple[list[Tensor], list[Any], list[Any]]:
+        w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+        seen: list[Any] = []
+        kept: list[Tensor] = []
+
+        def f(i: int) -> Tensor:
+            h = w * (i + 1)
+            if kind == "hook":
+                h.register_hook(lambda g: (seen.append(g.tolist()), g.clamp(-0.5, 0.5))[1])
+            elif kind == "function":
+                h = _Clip.apply(h)
+            else:
+                h.retain_grad()
+                kept.append(h)
+            return h.sum()
+
+        s = total(f)
+        before = list(seen)  # nothing may run before a backward
+        (3 * s).backward(retain_graph=True)
+        g1 = w.grad.clone()
+        (s / 4).backward()
+        return (
+            [g1, w.grad, *(h.grad for h in sorted(kept, key=lambda h: float(h[0])))],
+            before,
+            seen,
+        )
+
+    got = run(lambda f: gradmap.tsum(f, range(4), executor=executor, chunksize=2))
+    ref = run(lambda f: sum(f(i) for i in range(4)))
+    for a, b in zip(got[0], ref[0]):
+        torch.testing.assert_close(a, b)
+    assert got[1] == ref[1] == []
+    assert sorted(got[2]) == sorted(ref[2])
+
+
+def test_a_complex_loss_gets_the_loops_gradient():
+    """A complex loss's pullback is not complex-linear in its cotangent (``conj``): tsum must
+    not pull such chunks back early and scale them (the gradient came out conjugated)."""
+
+    def run(total: Any) -> Tensor:
+        x = torch.tensor([3.0 + 4.0j, 1.0 - 2.0j], dtype=torch.complex128, requires_grad=True)
+        total(lambda i: (x[i].conj() * (i + 2)).sum() + x[1 - i] * 1j).abs().backward()
+        return x.grad
+
+    torch.testing.assert_close(
+        run(lambda f: gradmap.tsum(f, range(2), chunksize=1)),
+        run(lambda f: sum(f(i) for i in range(2))),
+    )

@@ -408,15 +408,20 @@ class Host:
         local = cast(list, self._items.load(items, state.leaves))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
-            if record.results is not None:  # NOTE [a chunk of bare tensors]
+            if record.boundary.user:  # NOTE [chunks whose backward is user code] (``_graph``)
+                losses = False
+            elif record.results is not None:  # NOTE [a chunk of bare tensors]
                 losses = record.results is record.outputs and all(
-                    y.dim() == 0 for y in record.outputs
+                    y.dim() == 0 and not y.is_complex() for y in record.outputs
                 )
             else:
                 # (bare tensors only: the sum of a chunk of ``(loss,)`` would lose its
                 # structure, which the driver checks against the other chunks')
                 losses = bool(record.outputs) and all(
-                    el.spec is None and len(el.diff) == 1 and el.leaves[0].dim() == 0
+                    el.spec is None
+                    and len(el.diff) == 1
+                    and el.leaves[0].dim() == 0
+                    and not el.leaves[0].is_complex()
                     for el in record.elements
                 )
             grads = None

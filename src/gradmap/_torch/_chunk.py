@@ -436,7 +436,8 @@ def pull_back(
     zeros: list[Tensor] = []  # outputs reached by zero cotangents, not pulled back
     outs: list[Tensor] = []
     grads: list[Tensor] = []
-    if recompute is not None:
+    if recompute is not None or record.boundary.user:
+        # (NOTE [chunks whose backward is user code] in ``_graph``: zeros pulled back too)
         nonzero = [True] * len(cotangents)
     elif nonzero is None:
         nonzero = _nonzero_all(cotangents)

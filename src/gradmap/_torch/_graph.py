@@ -173,6 +173,8 @@ def _accumulate_grad_type() -> type:
 
 
 _ACCUMULATE_GRAD = _accumulate_grad_type()
+#: The node of a custom ``autograd.Function`` (``grad_fn`` of its outputs).
+_CUSTOM = torch.autograd.function.BackwardCFunction
 
 _pullback = threading.local()
 
@@ -194,15 +196,32 @@ class Boundary:
         nodes: the non-leaf boundary nodes the Python walk found (kept alive: their ids are in
             ``keys``), which ``BlockHooks`` blocks; a pullback reaches past them. Empty from the
             native walk, past whose gates no pullback runs (NOTE [the native walk]).
+        user: a node of the chunk's graph runs user code in its backward (NOTE [chunks whose
+            backward is user code]).
+
+    NOTE [chunks whose backward is user code]:
+        A pullback of the loop's graph gives a gradient linear in the cotangent, and zeros for
+        a cotangent of zeros, for every built-in op; gradmap uses that twice: ``tmap`` does no
+        backward work for elements whose cotangents are zeros, and ``tsum`` pulls a chunk of
+        losses back during the forward with cotangent one and scales by the sum's cotangent
+        later. User code in the backward breaks both: a hook on a tensor ``f`` made
+        (``register_hook``, ``retain_grad``) sees, and may change, the cotangent, and runs at
+        backward time in the loop; a custom ``autograd.Function``'s backward may clip, or add a
+        term of its own. The native walk marks a chunk whose graph holds such a node (a hook on
+        a node or a tensor it made, or a custom Function's node); such a chunk is pulled back in
+        the map's backward with its own cotangents, zeros included, as the loop's would be. The
+        Python walk sees custom Functions' nodes but not tensors' hooks (PyTorch lists them to
+        C++ only).
     """
 
-    __slots__ = ("inputs", "keys", "nodes", "tensors")
+    __slots__ = ("inputs", "keys", "nodes", "tensors", "user")
 
     def __init__(self) -> None:
         self.keys: list[Any] = []  # hashable
         self.tensors: list[Tensor] = []
         self.inputs: list[Tensor | GradientEdge] = []
         self.nodes: list[Node] = []
+        self.user = False
 
 
 class Known:
@@ -270,9 +289,10 @@ def find_boundary(outputs: list[Tensor], lo: int, hi: int, known: Known) -> Boun
     """
     walker = known.native
     if walker is not None:
-        keys, tensors, inputs, roots = walker.walk(outputs, lo, hi)
+        keys, tensors, inputs, roots, user = walker.walk(outputs, lo, hi)
         boundary = Boundary()
         boundary.keys, boundary.tensors, boundary.inputs = keys, tensors, inputs
+        boundary.user = user
         for i, t in roots:  # outputs made outside the chunk: their gated aliases
             outputs[i] = t
         return boundary
@@ -338,6 +358,8 @@ def _walk(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary
             # cannot tell another thread's node apart: NOTE [the boundary of a chunk]).
         seen.add(key)
         kept.append(node)
+        if isinstance(node, _CUSTOM):  # NOTE [chunks whose backward is user code]
+            boundary.user = True
         for child in node.next_functions:
             if child[0] is not None:
                 stack.append(child)

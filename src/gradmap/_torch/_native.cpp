@@ -14,6 +14,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <cstring>
+#include <typeinfo>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -74,6 +76,20 @@ const c10::intrusive_ptr<T>& strong(const c10::intrusive_ptr<T>& p) {
   return p;
 }
 
+// Whether ``node`` is a custom Function's. (By its type's name: libtorch_python does not export
+// PyNode's type info, so no dynamic_cast; the Itanium ABI's name, which GCC and Clang give.)
+bool custom_function(Node* node) {
+  return std::strcmp(typeid(*node).name(), "N5torch8autograd6PyNodeE") == 0;
+}
+
+// Whether the backward of ``node`` may not be linear in its incoming gradient, or does more than
+// compute: a hook on it or on a tensor it made (``register_hook``, ``retain_grad``), or a custom
+// Function's backward (NOTE [chunks whose backward is user code] in _graph.py).
+bool user_backward(Node* node) {
+  return !node->tensor_pre_hooks().empty() || !node->retains_grad_hooks().empty() ||
+      !node->pre_hooks().empty() || !node->post_hooks().empty() || custom_function(node);
+}
+
 bool is_inner(const Node* node, uint64_t thread, uint64_t lo, uint64_t hi) {
   auto nr = node->sequence_nr();
   return node->thread_id() == thread && lo <= nr && nr < hi;
@@ -121,6 +137,7 @@ struct Walk {
   // twice would get two (entries keyed by accumulator: two entries, its gradient counted
   // twice). Held here, every output that is that leaf finds the same one.
   std::vector<NodePtr> returned;
+  bool user = false;  // an inner node runs user code in its backward (``user_backward``)
 
   // Whether the inner node ``node`` is reached for the first time (and is now seen).
   bool first_sight(const Node* node) {
@@ -238,6 +255,9 @@ py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi)
     while (!w.stack.empty()) {
       Node* node = w.stack.back();
       w.stack.pop_back();
+      if (!w.user && user_backward(node)) {
+        w.user = true;
+      }
       auto& next = node->next_edges();
       for (size_t i = 0; i < next.size(); ++i) {
         const auto& edge = next[i];
@@ -277,7 +297,7 @@ py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi)
   for (auto& [i, t] : roots) {
     replaced.append(py::make_tuple(i, std::move(t)));
   }
-  return py::make_tuple(keys, tensors, inputs, replaced);
+  return py::make_tuple(keys, tensors, inputs, replaced, w.user);
 }
 
 // For each of a walked chunk's boundary inputs (tensors on its gates' edges), whether the graph

@@ -69,13 +69,19 @@ def unscaled(cotangent: Tensor, keep: bool) -> bool:
 
 
 def _loss_like(record: ChunkRecord) -> bool:
-    """Whether every element returned one 0-d tensor (requiring grad or not)."""
+    """Whether every element returned one real 0-d tensor (requiring grad or not). (A complex
+    loss's pullback is not complex-linear in its cotangent, ``conj`` being in the graph: no
+    early pullback scaled later.)"""
     if record.results is not None:
-        return all(y.dim() == 0 for y in record.results)
+        return all(y.dim() == 0 and not y.is_complex() for y in record.results)
     return all(
-        len(el.leaves) == 1 and (not el.diff or record.outputs[el.outputs[0]].dim() == 0)
+        len(el.leaves) == 1 and (not el.diff or _real_scalar(record.outputs[el.outputs[0]]))
         for el in record.elements
     )
+
+
+def _real_scalar(t: Tensor) -> bool:
+    return t.dim() == 0 and not t.is_complex()
 
 
 def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor | None] | None]]:
@@ -102,6 +108,8 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
         # A boundary tensor's own hooks (and retained gradient) are set aside only around the
         # sum's backward (``hooks_quiet``): such chunks are pulled back there.
         hooks = not call.gated and hooked(record.boundary.tensors)
+        # NOTE [chunks whose backward is user code] in ``_graph``: pulled back in the backward
+        hooks = hooks or record.boundary.user
         if not record.stored or not _loss_like(record) or hooks:
             if call.remat:
                 record.drop_graph()
