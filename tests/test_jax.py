@@ -352,6 +352,76 @@ def test_branch_on_an_array_value_runs_the_loop_with_a_warning(kw):
     assert_trees_close(got, jax.grad(lambda p: total_loss(loop, f, p, xs))(p))
 
 
+def _x64() -> Any:
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64(True)
+
+
+def test_a_numpy_float_and_a_python_float_are_not_one_trace():
+    """``np.float64(0.1)`` is a ``float`` too, but strongly typed: float32 times it is float64,
+    times a Python 0.1 float32. As an item or closed over, each gets its own trace (they shared
+    one, and the second came out in the first's dtype)."""
+    with _x64():
+        w = jnp.array([1.0, 2.0, 3.0], dtype=jnp.float32)
+        scales = [0.1, np.float64(0.1)]
+        got = jax.vjp(lambda w: gmj.tmap(lambda s: w * s / 3, scales, executor="serial"), w)[0]
+        assert [y.dtype for y in got] == [jnp.float32, jnp.float64]
+
+        def closed_over(s: float) -> Any:
+            return jax.vjp(lambda w: gmj.tmap(lambda x: w * s * x, (1, 2), executor="serial"), w)
+
+        assert closed_over(0.1)[0][0].dtype == jnp.float32
+        assert closed_over(np.float64(0.1))[0][0].dtype == jnp.float64
+
+
+_MASK = np.array([True, False, True, True])
+_N = jnp.array(2)
+
+
+@pytest.mark.parametrize("case", ["mask", "slice", "shape", "shape-item"], ids=lambda c: c)
+def test_static_uses_of_concrete_arrays_run_the_loop(kw, case):
+    """A boolean mask, a slice bound, a shape that ``f`` takes from a concrete array (closed
+    over, or an item): the loop runs them; traced, JAX refuses them (not all as a
+    ConcretizationTypeError). Those elements run as in the loop."""
+    xs = [jnp.arange(4.0) + i for i in range(3)]
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+    ks: list[Any] = [jnp.array(k) for k in (1, 3, 2)] if case == "shape-item" else [None] * 3
+    f = {
+        "mask": lambda w, x, k: (x[_MASK] * w[_MASK]).sum(),
+        "slice": lambda w, x, k: (x[:_N] * w[:_N]).sum(),
+        "shape": lambda w, x, k: (jnp.zeros(_N) + x[:2] * w[:2]).sum(),
+        "shape-item": lambda w, x, k: (jnp.zeros(k) + x[:k] * w[:k]).sum(),
+    }[case]
+    want = jax.grad(lambda w: sum(f(w, x, k) for x, k in zip(xs, ks)))(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the loop's warning)
+        got = jax.grad(lambda w: gmj.tsum(lambda x, k: f(w, x, k), xs, ks, **kw))(w)
+        got_map = jax.grad(lambda w: sum(gmj.tmap(lambda x, k: f(w, x, k), xs, ks, **kw)))(w)
+    assert_trees_close(got, want)
+    assert_trees_close(got_map, want)
+
+
+def test_numpy_text_and_object_arrays_are_used_as_they_are(kw):
+    """Arrays of strings or objects have no JAX type: closed over or in the items, f gets them
+    as they are (tracing them crashed), and a change to their text is seen."""
+    labels = np.array(["a", "b", "a", "c"])
+    xs = [jnp.arange(4.0) + i for i in range(3)]
+    tags = [np.array(["x", "y"]), np.array(["y", "y"]), np.array(["x", "x"])]
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+
+    def f(w: jax.Array, x: jax.Array, t: np.ndarray) -> jax.Array:
+        return (x * w * (labels == "a")).sum() * float((t == "x").sum() + 1)
+
+    for _ in range(2):
+        want = jax.grad(lambda w: sum(f(w, x, t) for x, t in zip(xs, tags)))(w)
+        got = jax.grad(lambda w: gmj.tsum(lambda x, t: f(w, x, t), xs, tags, **kw))(w)
+        assert_trees_close(got, want)
+        labels[1] = "a"  # seen by the next call
+
+
 def test_jacrev_calls_the_pullbacks_under_vmap(kw):
     p, xs = params(), bags(5)
     got = jax.jacrev(lambda p: jnp.stack(gmj.tmap(lambda x: bag_loss_jit(p, x), xs, **kw)))(p)

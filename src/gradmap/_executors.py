@@ -245,11 +245,11 @@ class FuturesExecutor(Executor):
         api: str = "gradmap.tmap",
     ) -> None:
         if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
+            others = "" if api.startswith("gradmap.jax.") else ", executor='processes' or 'ray'"
             raise TypeError(
-                f"{api}: a ProcessPoolExecutor cannot hold the autograd graph of a chunk "
-                "between the forward and the backward (it does not share memory with the caller). "
-                "Use executor=None (threads), a ThreadPoolExecutor, executor='processes' or "
-                "gradmap's Ray executor."
+                f"{api}: a ProcessPoolExecutor cannot hold a chunk's graph (what its backward "
+                "needs) between the forward and the backward: it does not share memory with "
+                f"the caller. Use executor=None (threads), a ThreadPoolExecutor{others}."
             )
         if _is_shut_down(executor):
             raise RuntimeError(

@@ -198,6 +198,11 @@ class _Walk:
 
     def value(self, x: Any, depth: int) -> tuple[Hashable, _Node]:
         self._tick()
+        if isinstance(x, np.ndarray) and x.dtype.kind not in "biufc":
+            # strings or objects: no JAX type; used as they are, text keyed by its contents
+            if x.dtype.kind in "SU":
+                return ("np", x.dtype.str, x.shape, x.tobytes()), _Same(x)
+            return self._identity(x)
         if isinstance(x, _ARRAYS):
             self.channels.append(x)
             kind = "jax" if isinstance(x, jax.Array) else "np"
@@ -293,7 +298,9 @@ def _static(node: _Node) -> bool:
 
 def _by_value(x: Any) -> Hashable:
     if isinstance(x, float):
-        return (float, x.hex())  # 0.0 and -0.0 are equal, but not the same constant
+        # 0.0 and -0.0 are equal, but not the same constant; a Python float (weakly typed) and
+        # an ``np.float64`` (a float too) give other dtypes
+        return (type(x), x.hex())
     if isinstance(x, np.floating):
         return (type(x), float(x).hex())
     return (type(x), x)

@@ -55,6 +55,7 @@ from ._mode import VjpTrace
 
 __all__ = [
     "UNTRACEABLE",
+    "untraceable",
     "Element",
     "ElementRunner",
     "Prepared",
@@ -63,12 +64,28 @@ __all__ = [
     "steps_of",
 ]
 
-#: What tracing raises where ``f`` needs a concrete value (a branch, ``int(x)``, ``np.asarray``).
+#: What tracing raises where ``f`` needs a concrete value (a branch, ``int(x)``, ``np.asarray``,
+#: a boolean mask); see also [`untraceable`][].
 UNTRACEABLE = (
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerArrayConversionError,
     jax.errors.TracerIntegerConversionError,
+    jax.errors.NonConcreteBooleanIndexError,
 )
+
+#: Words of JAX's plain ``IndexError`` / ``TypeError`` where a shape or a slice needs a concrete
+#: value ("Slice entries must be static integers", "Shapes must be 1D sequences of concrete
+#: values of integer type").
+_NEEDS_CONCRETE = ("must be static", "concrete value")
+
+
+def untraceable(exc: BaseException) -> bool:
+    """Whether tracing ``f`` raised ``exc`` because ``f`` needs a concrete value (a trip count,
+    a shape, a slice, a branch): then the element runs as in the loop. (A real error of ``f``
+    that reads so raises again there.)"""
+    if isinstance(exc, UNTRACEABLE):
+        return True
+    return isinstance(exc, (IndexError, TypeError)) and any(w in str(exc) for w in _NEEDS_CONCRETE)
 
 
 @dataclass(slots=True, eq=False)
@@ -240,7 +257,6 @@ def _used(jaxpr: Any) -> set[Any]:
 
 #: Leaves that are inputs of the trace (abstract); numpy arrays too, so that data loaded as numpy
 #: shares traces, while ``f`` may still apply numpy to them (the element is then traced alone).
-_ARRAYS = (jax.Array, np.ndarray)
 _VALUES = (int, float, complex, str, bytes, bool, type(None), np.generic)
 
 
@@ -254,7 +270,13 @@ def _type_key(x: Any) -> Hashable:
 def _static_key(x: Any) -> tuple[Hashable, bool]:
     """The key of a non-array item, and whether it is a value (the same in any call)."""
     if isinstance(x, float):
-        return ("float", x.hex()), True  # 0.0 and -0.0 are equal, but not the same constant
+        # 0.0 and -0.0 are equal, but not the same constant; a Python float is weakly typed, an
+        # ``np.float64`` (a float too) is not: other result dtypes, other traces
+        return ("float", type(x), x.hex()), True
+    if isinstance(x, np.ndarray):  # of strings or objects: no JAX type (``traceable``)
+        if x.dtype.kind in "SU":
+            return ("np", x.dtype.str, x.shape, x.tobytes()), True
+        return ("id", id(x)), False
     if isinstance(x, _VALUES):
         return (type(x), x), True
     try:
@@ -262,6 +284,14 @@ def _static_key(x: Any) -> tuple[Hashable, bool]:
     except TypeError:
         return ("id", id(x)), False
     return (type(x), x), False
+
+
+def traceable(x: Any) -> bool:
+    """Whether ``x`` is an array JAX traces: a JAX array, or a numpy array of numbers or bools
+    (not of strings or objects, which ``f`` gets as they are)."""
+    if isinstance(x, jax.Array):
+        return True
+    return isinstance(x, np.ndarray) and x.dtype.kind in "biufc"
 
 
 # Markers in the caches of traces.
@@ -384,8 +414,8 @@ class ElementRunner:
             key: Hashable = (tree, tuple(leaf.aval for leaf in leaves), ())
             stable = True
         else:
-            dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _ARRAYS)]
-            statics = [_static_key(leaf) for leaf in leaves if not isinstance(leaf, _ARRAYS)]
+            dynamic = [i for i, leaf in enumerate(leaves) if traceable(leaf)]
+            statics = [_static_key(leaf) for leaf in leaves if not traceable(leaf)]
             key = (
                 tree,
                 tuple(_type_key(leaves[i]) for i in dynamic),
@@ -435,7 +465,9 @@ class ElementRunner:
         if shared is not None and shared.traces.get(key) is not _PER_CALL:
             try:
                 traced = self._trace_with(leaves, tree, dynamic, abstract_closure=True)
-            except UNTRACEABLE:
+            except Exception as exc:
+                if not untraceable(exc):
+                    raise
                 shared.put(key, _PER_CALL)  # ``f`` reads a closure array's value
             else:
                 if traced.reusable:
@@ -446,7 +478,9 @@ class ElementRunner:
                 return traced
         try:
             result: Any = self._trace_with(leaves, tree, dynamic, abstract_closure=False)
-        except UNTRACEABLE:
+        except Exception as exc:
+            if not untraceable(exc):
+                raise
             result = _ALONE  # ``f`` reads an item's value
         with self._lock:
             return self._local.setdefault(key, result)

@@ -45,7 +45,7 @@ from .._plan import ChunkPlan
 from .._request import MapRequest
 from ._chunks import TMAP, Pending, chunk_elements
 from ._config import JaxConfig
-from ._element import UNTRACEABLE, Element, ElementRunner
+from ._element import Element, ElementRunner, untraceable
 from ._mode import VjpTrace, top_level
 
 __all__ = [
@@ -100,7 +100,7 @@ def forward_chunks(
                 try:
                     made = step(i, chunk)
                 except BaseException as exc:
-                    if traced and isinstance(exc, UNTRACEABLE):
+                    if traced and isinstance(exc, Exception) and untraceable(exc):
                         raise NeedsLoop(i, exc) from None
                     add_note(exc, element_note(i, n, "forward", api))
                     raise
