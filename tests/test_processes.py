@@ -567,15 +567,33 @@ def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
     xs = ragged(grad=False)
     f = lambda x: x.sum(0) + torch.rand(4)  # noqa: E731
 
-    def run(executor: Any) -> torch.Tensor:
+    def run(executor: Any) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(3)
         with torch.no_grad():
-            return torch.stack(gradmap.tmap(f, xs, executor=executor, chunksize=3))
+            ys = torch.stack(gradmap.tmap(f, xs, executor=executor, chunksize=3))
+        return ys, torch.rand(2)  # the caller's generator goes on where threads leave it
 
     first, second = run(ex), run(ex)
     torch.testing.assert_close(first, second)
     torch.testing.assert_close(first, run("threads"))
     torch.testing.assert_close(first, run("serial"))
+
+
+def test_inference_mode_with_parameters(ex):
+    """Under inference_mode the caller's own chunks load the payloads as inference tensors,
+    which count no versions (that raised)."""
+    w = nn.Parameter(torch.randn(3))
+    xs = [torch.randn(3) for _ in range(8)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * w).sum()
+
+    with torch.inference_mode():
+        want = torch.stack([f(x) for x in xs])
+        got = torch.stack(gradmap.tmap(f, xs, executor=ex, chunksize=2))
+        total = gradmap.tsum(f, xs, executor=ex, chunksize=2)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(total, want.sum())
 
 
 def test_random_tsum_matches_threads(ex):
@@ -897,6 +915,110 @@ def test_a_map_leaves_the_callers_own_classes_as_they_are(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_CLASSES_SCRIPT = """
+import enum
+import numpy as np
+import torch, gradmap
+from torch import nn
+
+P = nn.Parameter(torch.ones(3, dtype=torch.float64))
+arr = np.ones(3)
+K = torch.from_numpy(arr)  # shares the array's memory
+W = nn.Parameter(torch.ones(3, dtype=torch.float64))
+Wn = W.detach().numpy()  # a numpy alias of a parameter, taken before the maps
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+    def total(self):
+        return (self.v * P).sum()
+
+
+class Bad(Exception):
+    pass
+
+
+def f(i, x):
+    if i == 5 and x.sum() > 100:  # (only the call below that asks for it)
+        raise Bad(i)
+    return Box(torch.sin(x * K * W)), Color.RED
+
+
+def g(box):
+    return box.total()
+
+
+xs = [torch.randn(3, dtype=torch.float64) for _ in range(12)]
+total = Box.total
+for helps in (True, False):
+    ex = gradmap.ProcessExecutor(2, caller_helps=helps)
+    for _ in range(2):
+        ys = gradmap.tmap(f, range(12), xs, executor=ex, chunksize=1)
+        assert all(type(b) is Box and c is Color.RED for b, c in ys), helps
+        assert Box.total is total and Box.total.__globals__ is globals(), helps
+    boxes = [Box(x) for x in xs]  # items of the script's own class
+    got = gradmap.tsum(g, boxes, executor=ex, chunksize=1)
+    P.grad = None
+    got.backward()
+    assert torch.allclose(P.grad, sum(xs)), helps
+    try:
+        gradmap.tmap(f, range(12), [x + 1000 for x in xs], executor=ex, chunksize=1)
+    except Bad as e:
+        assert e.args == (5,), e.args
+    else:
+        raise SystemExit("no error")
+    arr[:] = 2.0  # seen through K by the next map, as in the loop
+    ys = gradmap.tmap(f, range(12), xs, executor=ex, chunksize=1)
+    assert all(torch.allclose(b.v, torch.sin(x * 2)) for (b, _), x in zip(ys, xs)), helps
+    assert torch.equal(K, torch.full((3,), 2.0, dtype=torch.float64))
+    arr[:] = 1.0
+    Wn[:] = 1.0  # writes W, as in the loop
+    assert Wn.__array_interface__["data"][0] == W.data_ptr()
+    ex.shutdown()
+print("ok")
+"""
+
+
+def test_the_scripts_own_classes_and_numpy_memory_stay_the_users(tmp_path):
+    """In a fresh interpreter, with classes of the script (``__main__``) and numpy memory shared
+    with tensors f uses, on processes with and without the caller running chunks (NOTE [the
+    user's classes stay theirs]): results are of the script's own classes (those of the
+    caller's chunks were copies), receiving them rebinds no method (it did: methods of the
+    script's classes read copies of its globals after), an exception of the script's class is
+    caught by ``except``, items of the script's classes reach the workers (they did not
+    unpickle), and a tensor sharing a numpy array's memory keeps sharing it (moved to shared
+    memory, ``torch.from_numpy``'s tensor stopped seeing the array, and a ``.numpy()`` alias
+    pointed at freed memory)."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(_CLASSES_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_first_map_inside_inference_mode_imports_cleanly(tmp_path):
+    """gradmap imports its PyTorch parts at the first map, which may run in inference_mode."""
+    import subprocess
+
+    code = (
+        "import torch, gradmap\n"
+        "with torch.inference_mode():\n"
+        "    ys = gradmap.tmap(torch.sin, [torch.randn(3) for _ in range(4)])\n"
+        "print(len(ys))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "4", done.stderr[-3000:]
 
 
 _SETTINGS_MODULE = """

@@ -10,7 +10,9 @@ NOTE [the caller works too]:
 
     The caller's chunks are run by the same host as the workers' (``_remote/_host.py``), from the
     same payloads: ``f`` unpickled from its payload (its tensors are leaves over the same shared
-    storages, ``caller_storages``), items unpickled from theirs, the same results and gradients.
+    storages, ``caller_storages``; the classes of the user's script as copies, whose objects
+    come back as the user's own: NOTE [the user's classes stay theirs]), items unpickled from
+    theirs, the same results and gradients.
     A chunk's results and gradients are therefore bitwise the same wherever it runs, and the
     driver's sum in chunk order does not depend on which chunks the caller took.
 
@@ -38,17 +40,18 @@ NOTE [the caller works too]:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from .._engine import working_on_a_chunk
 from .._placement import caller_seconds
+from .._remote._classes import as_users, fresh_classes
 from .._remote._host import Host, hosting
 from .._remote._pickling import LeafTable
 from .._torch._random import SEEDING
+from .._tree import flatten, unflatten
 from ._host import PAYLOADS_KEPT
 
 __all__ = ["TINY", "LocalHost", "local_host", "tiny"]
@@ -79,8 +82,14 @@ class LocalHost(Host):
         return self._kept_function(box.digest, lambda: box.payload)
 
     def loads_payload(self, payload: bytes, leaves: LeafTable) -> Any:
-        with _fresh_classes():
+        with fresh_classes():  # NOTE [the user's classes stay theirs]
             return super().loads_payload(payload, leaves)
+
+    def _loading(self) -> AbstractContextManager[object]:
+        return fresh_classes()  # type: ignore[no-any-return]
+
+    def _handed_out(self, results: list[Any]) -> list[Any]:
+        return [y if type(y) is torch.Tensor else _users_tree(y) for y in results]
 
     def run(self, method: str, args: tuple[Any, ...]) -> Any:
         """``method(*args)`` in this thread, as a worker would run it."""
@@ -93,40 +102,22 @@ class LocalHost(Host):
             try:
                 with hosting(), working_on_a_chunk():
                     return getattr(self, method)(*args)
+            except BaseException as exc:
+                as_users(exc)  # NOTE [the user's classes stay theirs]: ``except MyError`` works
+                raise
             finally:
                 if threads != 1:
                     torch.set_num_threads(threads)
                 generator.set_state(state)
 
 
-_tracker_lock = threading.Lock()
-
-
-@contextmanager
-def _fresh_classes() -> Iterator[None]:
-    """While the caller unpickles ``f``'s payload: the classes cloudpickle sent by value (those of
-    the user's script, ``__main__``) load as fresh copies, as in a worker.
-
-    cloudpickle looks a class sent by value up in the process that pickled it and sets the
-    pickled attributes on the class it finds: in the caller that is the user's own class, whose
-    methods would then be copies reading copies of the script's globals -- for the rest of the
-    process, the loop included (a global parameter used in ``forward`` got no gradient). The
-    lookup is turned off for the length of the unpickling; another thread unpickling with
-    cloudpickle meanwhile would get copies too.
-    """
-    from cloudpickle import cloudpickle as cp
-
-    with _tracker_lock:
-        lookup = cp._lookup_class_or_track
-        cp._lookup_class_or_track = _untracked
-        try:
-            yield
-        finally:
-            cp._lookup_class_or_track = lookup
-
-
-def _untracked(class_tracker_id: Any, class_def: Any) -> Any:
-    return class_def
+def _users_tree(y: Any) -> Any:
+    """A result of the caller's own chunks, its objects of the user's own classes."""
+    leaves, spec = flatten(y)
+    users = [as_users(leaf) for leaf in leaves]
+    if all(a is b for a, b in zip(users, leaves)):
+        return y
+    return unflatten(users, spec)
 
 
 _host_of_process: LocalHost | None = None

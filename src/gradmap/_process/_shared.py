@@ -28,7 +28,10 @@ NOTE [parameters in shared memory]:
     the payload's digest, and a call sends the digest alone.
 
     Not shared: tensors on other devices, sparse, quantized or subclassed tensors, and tensors
-    whose storage cannot move (a ``torch.from_numpy`` array, for one): they travel by value.
+    whose storage must not move: one PyTorch marks not resizable, because a numpy array shares
+    it (``torch.from_numpy(a)``, or ``t.numpy()`` taken before the map: moved, the tensor would
+    stop sharing the array's memory, or the array would point at freed memory); they travel by
+    value.
     Items travel by value too; a chunk of them that has not changed since an earlier call is
     not pickled again (NOTE [items kept from call to call] in ``_remote/_kept.py``).
 """
@@ -94,7 +97,10 @@ class Sharer:
         ):
             return None
         storage = t.untyped_storage()
-        if storage.nbytes() == 0:
+        if storage.nbytes() == 0 or not (storage.is_shared() or storage.resizable()):
+            # Not resizable, and still to move: numpy's memory (``torch.from_numpy``), or memory
+            # a numpy array points at (``t.numpy()``): moved, the array would lose the tensor,
+            # or point at freed memory. By value.
             return None
         try:
             fd, size = storage._share_fd_cpu_()  # in place; returns the same fd once shared

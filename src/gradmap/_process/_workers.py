@@ -45,6 +45,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._errors import add_note
+from .._remote._classes import users_classes
 from .._remote._kept import PayloadAccount
 from ._shared import Sharer
 
@@ -241,7 +242,8 @@ def _remote_error(payload: bytes | None, text: str, worker: Worker) -> BaseExcep
     exc: BaseException | None = None
     if payload is not None:
         try:
-            exc = pickle.loads(payload)
+            with users_classes():  # NOTE [the user's classes stay theirs]: ``except MyError``
+                exc = pickle.loads(payload)
         except Exception:
             exc = None
     if not isinstance(exc, BaseException):

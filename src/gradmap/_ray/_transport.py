@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .._errors import add_note
+from .._remote._classes import users_classes
 from .._remote._host import Host
 from .._remote._pickling import LeafTable
 from .._remote._schedule import Transport, WorkerLost
@@ -186,7 +187,8 @@ def _unwrap(exc: BaseException) -> BaseException:
         import cloudpickle
 
         try:
-            original = cloudpickle.loads(cause.payload)
+            with users_classes():  # NOTE [the user's classes stay theirs]
+                original = cloudpickle.loads(cause.payload)
         except Exception:
             original = None
         if isinstance(original, BaseException):

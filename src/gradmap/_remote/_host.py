@@ -333,7 +333,8 @@ class Host:
 
     def _forward(self, state: _CallState, k: int, start: int, items: Items) -> bytes:
         spec = state.spec
-        local = cast(list, self._items.load(items, state.leaves))
+        with self._loading():
+            local = cast(list, self._items.load(items, state.leaves))
         if not spec.graph:  # seeded per element as with a graph: the same draws either way
             with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
                 plain = _run(state, start, local, graph=False)
@@ -344,7 +345,7 @@ class Host:
                 _no_graph_results(results, start, state)
             if not self._process:  # as pickling would: no leaf of this host reaches the caller
                 results = [_detached_all(y) for y in results]
-            return self._out((results, None, [], False))
+            return self._out((self._handed_out(results), None, [], state.seed.drawn))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
         if spec.remat:
@@ -353,7 +354,7 @@ class Host:
         if not spec.remat:
             state.chunks[k] = _Kept(record, pids)
         results, diff = _detached_results(record, state, start)
-        return self._out((results, diff, sorted(set(pids)), state.seed.drawn))
+        return self._out((self._handed_out(results), diff, sorted(set(pids)), state.seed.drawn))
 
     def backward(
         self, call_id: str, chunks: list[tuple[int, bytes, bool]], backward_state: ThreadState
@@ -405,7 +406,8 @@ class Host:
         spec = state.spec
         if not spec.graph or spec.remat:
             return self._forward(state, k, start, items)
-        local = cast(list, self._items.load(items, state.leaves))
+        with self._loading():
+            local = cast(list, self._items.load(items, state.leaves))
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             record = _run(state, start, local)
             if record.boundary.user:  # NOTE [chunks whose backward is user code] (``_graph``)
@@ -440,7 +442,7 @@ class Host:
             state.chunks[k] = _Kept(record, _pids(state, record))
             pids = sorted(set(state.chunks[k].pids))
             results, diff = _detached_results(record, state, start)
-            return self._out((results, diff, pids, state.seed.drawn))
+            return self._out((self._handed_out(results), diff, pids, state.seed.drawn))
         # Added one by one, in element order, as the thread executor adds a chunk's results.
         values = [t.detach() for t in record.outputs]
         total = values[0]
@@ -487,7 +489,8 @@ class Host:
         backward_state: ThreadState,
     ) -> bytes:
         spec = state.spec
-        local = cast(list, self._items.load(items, state.leaves))
+        with self._loading():
+            local = cast(list, self._items.load(items, state.leaves))
         cots = _cotangents(cotangents, state.leaves)
         with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
             fresh = _run(state, start, local)
@@ -505,6 +508,14 @@ class Host:
         with backward_state.enter(False), _default_dtype(spec.default_dtype):
             grads = _pull_back(fresh, aligned, state)
         return self._out(_by_pid(pids, grads))
+
+    def _loading(self) -> AbstractContextManager[object]:
+        """The context a chunk's items are unpickled in."""
+        return nullcontext()
+
+    def _handed_out(self, results: list[Any]) -> list[Any]:
+        """A chunk's results as the caller gets them."""
+        return results
 
     def _out(self, value: Any) -> Any:
         """What a work method answers for a chunk: pickled in a worker process; as it is in the

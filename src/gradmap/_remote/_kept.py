@@ -59,7 +59,7 @@ from typing import Any, cast
 
 import torch
 
-from ._pickling import LeafTable, loads
+from ._pickling import LeafTable, loads, version_of
 
 __all__ = [
     "KEPT_BYTES",
@@ -365,7 +365,7 @@ class KeptOnHost:
                 self._kept.move_to_end(items.key)
         if entry is not None:
             local, versions, _ = entry
-            if all(t._version == v and not t.requires_grad for t, v in versions):
+            if all(version_of(t) == v and not t.requires_grad for t, v in versions):
                 return local
         local = loads(items.payload, leaves)
         atoms: list[Any] = []
@@ -376,7 +376,7 @@ class KeptOnHost:
                 old = self._kept.pop(items.key, None)
                 if old is not None:
                     self.size -= old[2]
-                self._kept[items.key] = (local, [(t, t._version) for t in tensors], size)
+                self._kept[items.key] = (local, [(t, version_of(t)) for t in tensors], size)
                 self.size += size
                 while self.size > self.budget:
                     self.size -= self._kept.popitem(last=False)[1][2]

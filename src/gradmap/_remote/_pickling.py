@@ -52,6 +52,8 @@ import numpy
 import torch
 from torch import nn
 
+from ._classes import users_classes
+
 Tensor = torch.Tensor
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "LeafTable",
     "Share",
     "TensorTable",
+    "version_of",
     "dumps",
     "dumps_results",
     "loads",
@@ -196,7 +199,7 @@ class LeafTable:
             leaf = nn.Parameter(value) if is_parameter else value.requires_grad_()
             self.leaves[pid] = leaf
             self._pids[id(leaf)] = pid
-            self._versions[pid] = leaf._version
+            self._versions[pid] = version_of(leaf)
         return leaf
 
     def copy(self) -> LeafTable:
@@ -204,7 +207,7 @@ class LeafTable:
         table = LeafTable()
         table.leaves = dict(self.leaves)
         table._pids = dict(self._pids)
-        table._versions = {pid: leaf._version for pid, leaf in self.leaves.items()}
+        table._versions = {pid: version_of(leaf) for pid, leaf in self.leaves.items()}
         return table
 
     def pid(self, t: Tensor) -> int | None:
@@ -214,7 +217,13 @@ class LeafTable:
     def changed(self, pid: int) -> bool:
         """Whether the leaf of ``pid`` was changed in place since this table made (or copied)
         it."""
-        return self.leaves[pid]._version != self._versions[pid]
+        return version_of(self.leaves[pid]) != self._versions[pid]
+
+
+def version_of(t: Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor, which has none (a map called in
+    ``inference_mode`` loads its payloads there, in the caller's own host)."""
+    return -1 if t.is_inference() else t._version
 
 
 class LeafResult:
@@ -363,23 +372,27 @@ class _ItemsPickler(pickle.Pickler):
         self.shared: dict[Any, Any] = {}
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Tensor):
-            if obj.requires_grad:
-                ref = self._table.ref(obj)
-                key = getattr(ref[2], "key", None)
-                if key is not None:
-                    self.shared[key] = ref[2].storage
-                return _item_leaf, ref[1:]
-            if type(obj) is not Tensor:
-                return NotImplemented
-            share = self._share_shared
-            if share is not None and obj.untyped_storage().is_shared():
-                shared = share(obj)
-                if shared is not None:
-                    self.shared[shared.key] = shared.storage
-                    return _identity, (shared,)
-            return _reduce_tensor(obj)
-        return NotImplemented
+        if not isinstance(obj, Tensor):
+            if type(obj).__module__ == "__main__" or getattr(obj, "__module__", "") == "__main__":
+                # The user's script's: by value, which cloudpickle does (a worker's __main__
+                # is not the script, so by reference it would not load there)
+                raise pickle.PicklingError("an object of the user's script")
+            return NotImplemented
+        if obj.requires_grad:
+            ref = self._table.ref(obj)
+            key = getattr(ref[2], "key", None)
+            if key is not None:
+                self.shared[key] = ref[2].storage
+            return _item_leaf, ref[1:]
+        if type(obj) is not Tensor:
+            return NotImplemented
+        share = self._share_shared
+        if share is not None and obj.untyped_storage().is_shared():
+            shared = share(obj)
+            if shared is not None:
+                self.shared[shared.key] = shared.storage
+                return _identity, (shared,)
+        return _reduce_tensor(obj)
 
 
 _loading = threading.local()
@@ -546,13 +559,25 @@ def dumps_results(obj: Any) -> bytes:
         _PlainPickler(buffer).dump(_packed(obj))
     except Exception:
         buffer = io.BytesIO()
+        buffer.write(_BY_CLOUDPICKLE)
         _Pickler(buffer, None).dump(obj)
     return buffer.getvalue()
 
 
+#: The first byte of results that cloudpickle pickled (a pickle's own first byte is 0x80).
+_BY_CLOUDPICKLE = b"\xfe"
+
+
 def loads_results(data: Any) -> Any:
-    """Unpickle what [`dumps_results`][] made (the caller's own host answers unpickled)."""
-    return pickle.loads(data) if isinstance(data, bytes) else data
+    """Unpickle what [`dumps_results`][] made (the caller's own host answers unpickled); what
+    cloudpickle pickled (objects of classes the user's script defines, among others) with the
+    user's own classes (NOTE [the user's classes stay theirs])."""
+    if not isinstance(data, bytes):
+        return data
+    if data[:1] == _BY_CLOUDPICKLE:
+        with users_classes():
+            return pickle.loads(memoryview(data)[1:])
+    return pickle.loads(data)
 
 
 class AsIs:

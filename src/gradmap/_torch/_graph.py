@@ -167,8 +167,9 @@ def batched(cotangents: Sequence[Tensor | None]) -> bool:
 
 
 def _accumulate_grad_type() -> type:
-    leaf = torch.zeros((), requires_grad=True)
-    with torch.enable_grad():
+    # (first imported inside inference_mode or no_grad, perhaps: a map's first call)
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros((), requires_grad=True)
         return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
 
