@@ -156,3 +156,65 @@ def test_eval_batchnorm_under_a_double_backward_as_in_the_loop(remat):
     got = run(lambda f, xs: gradmap.tmap(f, xs, chunksize=2, remat=remat))
     for a, b in zip(got, run(lambda f, xs: [f(x) for x in xs])):
         torch.testing.assert_close(a, b)
+
+
+# -- what a recompute reads -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_a_leaf_f_makes_itself_is_made_anew_by_the_recompute(tmap_kwargs, how):
+    """Forces inside f (``p = x.clone().requires_grad_()``, a gradient taken with respect to
+    it): the recompute makes its own ``p``, a leaf no one else holds; the loop's gradients,
+    not an error calling f nondeterministic."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        p = x.clone().requires_grad_()
+        energy = (w * p.sin()).sum()
+        (force,) = torch.autograd.grad(energy, p, create_graph=True)
+        return force.pow(2).sum()
+
+    w = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    xs = [torch.tensor([0.5 * i, 1.0 - i], dtype=torch.float64) for i in range(4)]
+    want = torch.autograd.grad(sum(f(x) for x in xs), w, create_graph=True)[0]
+    ys = gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs)
+    got = torch.autograd.grad(sum(ys), w, create_graph=how == "create_graph")[0]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_a_result_changed_in_place_before_a_recompute(tmap_kwargs, how):
+    """The user scales a result in place before the backward (fine in the loop): the recompute
+    cannot compare that result with the forward's, and must not call f nondeterministic."""
+
+    def run(mapper):  # type: ignore[no-untyped-def]
+        w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+        ys = mapper(lambda i: (w * (i + 1)) ** 2, range(3))
+        ys[0].mul_(3)
+        (g,) = torch.autograd.grad(sum(y.sum() for y in ys), w, create_graph=how == "create_graph")
+        return g
+
+    want = run(lambda f, xs: [f(i) for i in xs])
+    got = run(lambda f, xs: gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+@pytest.mark.parametrize("what", ["item", "closure"])
+def test_remat_refuses_what_changed_in_place_since_the_forward(tmap_kwargs, api, what):
+    """An item or a closure tensor changed in place between the forward and the backward: the
+    loop's backward raises PyTorch's error for the tensor it saved; a remat recompute would
+    read the new values and give another gradient (NOTE [a recompute reads what the forward
+    read]). The same error, naming remat."""
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    xs = [torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0])]
+    c = torch.tensor([2.0, 1.0])
+    f = (lambda x: (w * x).sum()) if what == "item" else (lambda x: (w * c * x).sum())
+    in_loop = sum(f(x) for x in xs)
+    mapped = getattr(gradmap, api)(f, xs, remat=True, **tmap_kwargs)
+    loss = sum(mapped) if api == "tmap" else mapped
+    with torch.no_grad():
+        (xs[0] if what == "item" else c).add_(1.0)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation.*remat=True"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        in_loop.backward()

@@ -16,7 +16,7 @@ from .._placement import Placement, placement_for
 from .._progress import open_progress
 from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
-from ._graph import Known
+from ._graph import Known, check_versions, versions_used
 from ._native import native
 from ._random import MapRandom, moved_by
 from ._state import ThreadState
@@ -38,6 +38,8 @@ class MapCall:
         self.executor = executor
         self.plan = request.plan
         self.remat = remat = request.remat
+        #: NOTE [a recompute reads what the forward read] (``_graph``): after a remat forward.
+        self.versions: list[tuple[torch.Tensor, int]] | None = None
         self.progress = request.progress
         self.api = api = request.api
         self.n = len(elements)
@@ -124,7 +126,19 @@ class MapCall:
         else:
             records = placement.timed(one_thread, self.n)
         placement.learned_random(self.random.drew)
+        self.note_versions(with_graph)
         return records
+
+    def note_versions(self, with_graph: bool) -> None:
+        """After a ``remat`` forward: the versions of what a recompute reads again (NOTE [a
+        recompute reads what the forward read] in ``_graph``)."""
+        if self.remat and with_graph and self.f is not None and self.elements is not None:
+            self.versions = versions_used(self.f, self.elements)
+
+    def check_versions(self) -> None:
+        """Before a ``remat`` backward's recomputes: raise where what they read changed."""
+        if self.versions:
+            check_versions(self.versions, self.api)
 
     @property
     def off_caller(self) -> bool:
@@ -162,3 +176,4 @@ class MapCall:
     def free(self) -> None:
         self.f = self.elements = None
         self.known = None
+        self.versions = None

@@ -674,7 +674,10 @@ def _pull_back_fresh(
             if new.outputs[1] - new.outputs[0] != el.outputs[1] - el.outputs[0]:
                 return False
             for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
-                a, b = fresh.outputs[o_new].detach(), record.outputs[o].detach()
+                a, b = fresh.outputs[o_new], record.outputs[o]
+                if a._version != b._version:
+                    continue  # the user changed the result in place since: not comparable
+                a, b = a.detach(), b.detach()
                 if not (a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num())):
                     return False
         return len(fresh.elements) == len(which)
@@ -697,13 +700,19 @@ def _pull_back_fresh(
                     grads.append(g)
         where = {key: k for k, key in enumerate(record.boundary.keys)}
         result: list[Tensor | None] = [None] * len(record.boundary.keys)
-        places = []
-        for key in fresh.boundary.keys:
+        places: list[int | None] = []
+        for key, t in zip(fresh.boundary.keys, fresh.boundary.tensors):
             k = where.get(key)
-            if k is None:
+            if k is None and not (t.is_leaf and t.requires_grad):
                 _not_deterministic(api)
+            # (None: a leaf the recompute made anew, one of f's own -- ``pos.requires_grad_()``
+            # to take forces inside f -- whose gradient reaches no one: not pulled back to)
             places.append(k)
-        mask = None if wanted is None else [wanted[k] for k in places]
+        mask: list[bool] | None = None
+        if wanted is not None or None in places:
+            mask = [k is not None and (wanted is None or wanted[k]) for k in places]
+            if not any(mask):
+                return result
         # The fresh graph is freed as it goes, unless a graph is being made or the pullback
         # reaches past the boundary (the Python walk's non-leaf boundary nodes).
         got = _grad(
@@ -715,6 +724,7 @@ def _pull_back_fresh(
             retain=create_graph or bool(fresh.boundary.nodes),
         )
         for k, g in zip(_wanted(places, mask), got):
+            assert k is not None
             result[k] = g
         return result
 

@@ -508,6 +508,46 @@ def reachable_from(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[Tensor]:
     return found
 
 
+def versions_used(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[tuple[Tensor, int]]:
+    """Each tensor among the items and what ``f`` refers to (module parameters and buffers
+    aside), with its version now: what a recompute reads again (NOTE [a recompute reads what
+    the forward read])."""
+    found: list[Tensor] = []
+    seen: set[int] = set()
+    for args in elements:
+        for arg in args:
+            if isinstance(arg, Tensor):
+                found.append(arg)
+            elif not isinstance(arg, _SKIP):
+                _collect(arg, found, seen, 0, items=True, every=True)
+    _collect(f, found, seen, 0, every=True)
+    return [(t, t._version) for t in found if not t.is_inference()]
+
+
+def check_versions(versions: list[tuple[Tensor, int]], api: str) -> None:
+    """Raise where a tensor of ``versions`` changed in place since they were taken.
+
+    NOTE [a recompute reads what the forward read]:
+        ``remat`` recomputes ``f`` in the backward from the items and what ``f`` refers to. A
+        tensor among them changed in place between the forward and the backward would be read
+        at its new value, and the gradient taken at a point the forward never was; the loop's
+        backward raises PyTorch's error there, for a tensor it saved. So the map notes their
+        versions after its forward and checks them before recomputing (the loop's error is
+        raised even where the loop's backward would not have needed that tensor: gradmap
+        cannot tell).
+    """
+    for t, version in versions:
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: {api} with remat=True recomputes f in the backward, and a "
+                f"tensor f uses (shape {tuple(t.shape)}) was changed in place since the forward "
+                f"(its version was {version}, is now {t._version}): the recompute would "
+                "differentiate at the new values. Change it after the backward, or use "
+                "remat=False."
+            )
+
+
 def modules_of(f: Any) -> list[torch.nn.Module]:
     """The ``nn.Module`` objects ``f`` refers to (whose buffers a recompute must not update)."""
     found: list[Any] = []
@@ -546,12 +586,13 @@ def _collect(
     depth: int,
     items: bool = False,
     modules: bool = False,
+    every: bool = False,
 ) -> None:
     if len(seen) > _MAX_OBJECTS or id(obj) in seen or isinstance(obj, _SKIP) or obj is None:
         return
     seen.add(id(obj))
     if isinstance(obj, Tensor):
-        if not modules and obj.requires_grad and obj.grad_fn is not None:
+        if every or (not modules and obj.requires_grad and obj.grad_fn is not None):
             found.append(obj)
         return
     if isinstance(obj, torch.nn.Module):
@@ -560,7 +601,7 @@ def _collect(
             return
         for value in obj.__dict__.values():  # plain attributes; parameters are leaves anyway
             if isinstance(value, Tensor):
-                _collect(value, found, seen, depth + 1, modules=modules)
+                _collect(value, found, seen, depth + 1, modules=modules, every=every)
         return
     if depth > 3:
         return
@@ -587,7 +628,7 @@ def _collect(
         if isinstance(call, types.FunctionType) and depth == 0:
             children = [*children, call]
     for child in children:
-        _collect(child, found, seen, depth + 1, items=items, modules=modules)
+        _collect(child, found, seen, depth + 1, items=items, modules=modules, every=every)
 
 
 def _filled(cell: Any) -> bool:

@@ -157,6 +157,8 @@ class MapGraph(JoinGraph):
         assert records is not None
         create_graph = torch.is_grad_enabled()
         fresh = call.recompute if (create_graph or call.remat) else None
+        if fresh is not None:
+            call.check_versions()  # NOTE [a recompute reads what the forward read] (``_graph``)
         wanted = self.wanted(ctx)
         # Which cotangents are zero, for every chunk in one stack here (a map's losses), not per
         # chunk in the pullbacks' threads: five small ops per chunk there held the GIL the

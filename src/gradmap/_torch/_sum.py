@@ -175,6 +175,7 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
     else:
         out = placement.timed(pipeline, call.n)
     placement.learned_random(call.random.drew)
+    call.note_versions(True)
     return out  # type: ignore[return-value]
 
 
@@ -358,6 +359,8 @@ class _SumGraph(MapGraph):
             # Early chunks' graphs are gone; others are kept unless remat dropped them.
             return create_graph or self.early[k] is not None or not records[k].stored
 
+        if call.remat:
+            call.check_versions()  # NOTE [a recompute reads what the forward read] (``_graph``)
         wanted = self.wanted(ctx)
         c = cotangents[0]
         as_is = c is not None and unscaled(c, not free_graph)
