@@ -579,6 +579,22 @@ def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
     torch.testing.assert_close(first, run("serial"))
 
 
+def test_the_callers_tensors_are_left_as_they_were(ex):
+    """Items, plain and requiring grad: after maps on processes, the caller's tensors can still
+    be resized (numpy's view of a tensor, which pickling used, marks its storage not resizable
+    for good), as after the loop. (Tensors f refers to move to shared memory, as the README
+    says.)"""
+    c = torch.randn(3)
+    xs = [torch.randn(3) for _ in range(6)] + [torch.randn(3, 2)[:, 0], torch.randn(3).conj()]
+    ws = [torch.randn(3, requires_grad=True) for _ in range(8)]
+    ys = gradmap.tmap(lambda x, w: (x * w * c).sum(), xs, ws, executor=ex, chunksize=2)
+    torch.stack(ys).sum().backward()
+    for _ in range(2):  # the second call: the items are kept (their bytes compared)
+        gradmap.tmap(lambda x: x * 2, xs, executor=ex, chunksize=2)
+    for t in (*xs[:6], *ws):
+        assert t.untyped_storage().resizable()
+
+
 def test_inference_mode_with_parameters(ex):
     """Under inference_mode the caller's own chunks load the payloads as inference tensors,
     which count no versions (that raised)."""

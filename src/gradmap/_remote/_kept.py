@@ -59,7 +59,7 @@ from typing import Any, cast
 
 import torch
 
-from ._pickling import LeafTable, loads, version_of
+from ._pickling import LeafTable, loads, raw_bytes, readable_in_place, version_of
 
 __all__ = [
     "KEPT_BYTES",
@@ -238,11 +238,10 @@ def _flatten(obj: Any, atoms: list[Any], tensors: list[Tensor]) -> bool:
 
 def _contents(tensors: list[Tensor]) -> bytes | None:
     """Every tensor's bytes, one after another; ``None`` where one cannot be read so (not
-    contiguous, conjugate or negative bits, a dtype numpy lacks)."""
-    try:
-        return b"".join([t.numpy().data for t in tensors])
-    except (TypeError, RuntimeError, ValueError, BufferError):
+    contiguous, conjugate or negative bits, not on the CPU)."""
+    if not all(readable_in_place(t) for t in tensors):
         return None
+    return b"".join([raw_bytes(t) for t in tensors])  # (not numpy's view: see ``raw_bytes``)
 
 
 class _Entry:

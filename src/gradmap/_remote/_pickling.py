@@ -41,6 +41,7 @@ NOTE [tensors travel as identities]:
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 import threading
@@ -62,6 +63,8 @@ __all__ = [
     "LeafTable",
     "Share",
     "TensorTable",
+    "raw_bytes",
+    "readable_in_place",
     "version_of",
     "dumps",
     "dumps_results",
@@ -84,6 +87,10 @@ def _rebuild_tensor(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     else:
         raw = torch.empty(0, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
+
+
+def _rebuild_copied(flat: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    return flat.reshape(shape)
 
 
 _NO_NUMPY = object()
@@ -112,28 +119,43 @@ def _rebuild_contiguous(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...])
     return torch.empty(shape, dtype=dtype)
 
 
+def raw_bytes(t: Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor (without conjugate or negative bits), read in place:
+    a ``ctypes`` array over them, which does not keep ``t`` alive (the caller does).
+
+    Not through numpy: ``t.numpy()`` marks the tensor's storage not resizable for good, and
+    the user's items and tensors would be left so after a map (``x.resize_`` refused), where
+    the loop leaves them as they were. As cheap (0.86 us against 1.0 for a small tensor)."""
+    size = t.numel() * t.element_size()
+    if size == 0:
+        return b""
+    return (ctypes.c_char * size).from_address(t.data_ptr())
+
+
+def readable_in_place(t: Tensor) -> bool:
+    """Whether [`raw_bytes`][] reads ``t``."""
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())
+    )
+
+
 def _reduce_tensor(t: Tensor) -> Any:
     """A plain CPU tensor as its bytes; ``NotImplemented`` for anything else (default pickling).
 
     ``t`` does not require grad (callers detach)."""
-    if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        # The common case in three cheap calls (a bag's many small tensors): numpy's view of
-        # the elements is the buffer. ``numpy()`` refuses other devices and dtypes numpy lacks.
-        try:
-            array = t.numpy()
-        except (TypeError, RuntimeError):
-            pass
-        else:
-            buffer = pickle.PickleBuffer(array)  # type: ignore[arg-type]
-            return _rebuild_contiguous, (buffer, t.dtype, tuple(t.shape))
     if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
         return NotImplemented
-    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:  # a strided or expanded 1-d view (even of size 1)
-        flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
-    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    buffer = pickle.PickleBuffer(raw.numpy())  # type: ignore[arg-type]
-    return _rebuild_tensor, (buffer, t.dtype, tuple(t.shape))
+    if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        # The common case (a bag's many small tensors): the elements' bytes are the buffer.
+        buffer = pickle.PickleBuffer(raw_bytes(t))  # type: ignore[arg-type]
+        return _rebuild_contiguous, (buffer, t.dtype, tuple(t.shape))
+    # A copy of ours, alive while it is pickled (the argument tuple holds it).
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.resolve_conj().resolve_neg().reshape(-1))
+    return _rebuild_copied, (flat, t.dtype, tuple(t.shape))
 
 
 def _is_parameter(t: Tensor) -> bool:
