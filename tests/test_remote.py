@@ -387,6 +387,32 @@ def test_a_tensor_of_the_callers_changed_in_place_and_returned_is_refused(remote
     remote.no_state_left()
 
 
+class _Tagged(torch.Tensor):
+    """A tensor subclass (its own torch function: what subclasses that carry metadata do)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_results_of_a_tensor_subclass_keep_their_class(remote, ex):
+    """A result of a tensor subclass (f uses a subclass tensor that requires grad) comes back of
+    that class, as from the loop; it came back a plain tensor (the join detached it with
+    subclasses' torch functions off)."""
+    s = torch.randn(3).as_subclass(_Tagged).requires_grad_()
+    xs = [torch.randn(3) for _ in range(4)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * s).sum()
+
+    got = _on(ex)(f, xs)
+    assert [type(y) for y in got] == [type(f(x)) for x in xs] == [_Tagged] * 4
+    (g,) = torch.autograd.grad(sum(got), s)
+    (want,) = torch.autograd.grad(sum(f(x) for x in xs), s)
+    torch.testing.assert_close(g.as_subclass(torch.Tensor), want.as_subclass(torch.Tensor))
+    remote.no_state_left()
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 

@@ -159,7 +159,7 @@ class _Driver(JoinGraph):
 
     def join_outputs(self) -> tuple[Tensor, ...]:
         self.spent = Spent(len(self.outputs))
-        return tuple(t.detach() for t in self.outputs)
+        return tuple(_detached(t) for t in self.outputs)
 
     def join_backward(self, ctx: Any, cotangents: tuple[Tensor | None, ...]) -> list[Any]:
         if torch.is_grad_enabled():
@@ -441,6 +441,14 @@ def map_remote(request: MapRequest) -> Any:
 
 
 _FIRST = (0,)
+
+
+def _detached(t: Tensor) -> Tensor:
+    """``t.detach()``, of ``t``'s own class: the join's forward runs with subclasses' torch
+    functions off, where ``detach`` gives a plain tensor (a result of a tensor subclass came
+    back as a plain tensor)."""
+    out = t.detach()
+    return out if type(out) is type(t) else out.as_subclass(type(t))
 
 
 def _leaves_handed_out(results: list[Any], table: TensorTable) -> list[Any]:
