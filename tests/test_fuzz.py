@@ -53,6 +53,23 @@ class Square(torch.autograd.Function):
         return g * 2 * x * w, (g * x * x).sum_to_size(w.shape)
 
 
+class Clip(torch.autograd.Function):
+    """The identity, whose backward clips the gradient: user code in the backward that is not
+    linear in its cotangent (NOTE [chunks whose backward is user code])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.clamp(-0.05, 0.05) + 0.01
+
+
+def _clip_hook(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-0.05, 0.05) - 0.01
+
+
 class World:
     """The tensors one run of a program sees, made afresh from a seed (so the loop and gradmap
     get equal values in separate tensors)."""
@@ -135,6 +152,11 @@ def body(
             h = h + torch.stack(rows).unsqueeze(1)
         elif op == "matmul":
             h = h @ torch.outer(params[-1], p0) * 0.1
+        elif op == "clip":
+            h = Clip.apply(h)
+        elif op == "hook" and h.requires_grad:
+            h = h * 1.0
+            h.register_hook(_clip_hook)
     loss = (h * h).mean()
     out = program["out"]
     if out == "scalar":
@@ -204,8 +226,13 @@ def draw(rng: random.Random, executor: str) -> dict[str, Any]:
         "n_params": rng.randint(1, 3),
         "pre": rng.choice([None, "affine", "tanh", "chain"]),
         "items": rng.choice(["leaves", "constants", "mixed", "rows"]),
+        # (The Python walk sees no tensor hooks, and runs a custom Function past a chunk's
+        # non-leaf boundary -- a nested map over rows f made -- with zeros: NOTE [chunks whose
+        # backward is user code])
         "ops": rng.sample(
-            ["pre", "param", "custom", "buffer", "branch", "matmul", "nested"], rng.randint(1, 5)
+            ["pre", "param", "custom", "buffer", "branch", "matmul", "nested"]
+            + (["hook", "clip"] if native_walk() else []),
+            rng.randint(1, 5),
         ),
         "out": rng.choice(["scalar", "scalar", "pair", "vector", "maybe"]),
         "f": rng.choice(["closure", "module", "global-method", "callable", "partial"]),

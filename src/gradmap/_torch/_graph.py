@@ -212,7 +212,10 @@ class Boundary:
         a node or a tensor it made, or a custom Function's node); such a chunk is pulled back in
         the map's backward with its own cotangents, zeros included, as the loop's would be. The
         Python walk sees custom Functions' nodes but not tensors' hooks (PyTorch lists them to
-        C++ only).
+        C++ only); and where its pullback reaches past a non-leaf boundary node (a map inside
+        ``f`` over tensors ``f`` computed), blocked there by ``BlockHooks``, a custom Function
+        beyond runs with zeros, which a backward that adds a term of its own turns into a wrong
+        gradient. The native walk's gates stop the engine there.
     """
 
     __slots__ = ("inputs", "keys", "nodes", "tensors", "user")
