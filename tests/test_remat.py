@@ -218,3 +218,32 @@ def test_remat_refuses_what_changed_in_place_since_the_forward(tmap_kwargs, api,
         loss.backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         in_loop.backward()
+
+
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_a_leaf_f_makes_and_returns_gets_the_loops_gradient_through_a_recompute(tmap_kwargs, how):
+    """Forces, returned with the leaf they were taken at (``return F, p``): the user holds ``p``,
+    and the recompute's own ``p`` stands for it (the stored one, at the same place among the
+    results), so ``p`` gets the loop's gradient -- first order, and second through W."""
+
+    def run(mapper):  # type: ignore[no-untyped-def]
+        w = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+
+        def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            p = x.detach().clone().requires_grad_()
+            (force,) = torch.autograd.grad((p * w).pow(3).sum(), p, create_graph=True)
+            return force, p
+
+        xs = [torch.ones(1, dtype=torch.float64) * (i + 1) for i in range(3)]
+        ys = mapper(f, xs)
+        loss = sum((force * (k + 1)).sum() for k, (force, _) in enumerate(ys))
+        if how == "remat":
+            loss.backward()
+            return [w.grad, *(p.grad for _, p in ys)]
+        first = torch.autograd.grad(loss, [w, *(p for _, p in ys)], create_graph=True)
+        (second,) = torch.autograd.grad(sum(g.sum() for g in first), w)
+        return [*first, second]
+
+    want = run(lambda f, xs: [f(x) for x in xs])
+    got = run(lambda f, xs: gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs))
+    torch.testing.assert_close(got, want)

@@ -111,7 +111,16 @@ class ChunkRecord:
         turns the chunk general: records are made for the elements before it.
     """
 
-    __slots__ = ("_elements", "boundary", "indices", "outputs", "results", "stored", "views")
+    __slots__ = (
+        "_elements",
+        "boundary",
+        "indices",
+        "outputs",
+        "results",
+        "returned",
+        "stored",
+        "views",
+    )
 
     def __init__(self) -> None:
         self._elements: list[ElementResult] | None = []
@@ -123,6 +132,14 @@ class ChunkRecord:
         #: The outputs that are views of tensors made before the chunk (NOTE [results that
         #: view a tensor made before the map]); ``None``: none.
         self.views: list[int] | None = None
+        #: The leaves requiring grad returned as they are (NOTE [leaves returned as they are]),
+        #: by (element, position among the result's leaves); ``None``: none.
+        self.returned: dict[tuple[int, int], Tensor] | None = None
+
+    def returned_leaf(self, i: int, position: int, leaf: Tensor) -> None:
+        if self.returned is None:
+            self.returned = {}
+        self.returned[i, position] = leaf
 
     @property
     def elements(self) -> list[ElementResult]:
@@ -236,6 +253,8 @@ def run_forward(
             ):
                 compact.append(y)
                 record.indices.append(i)
+                if compact is not outputs and y.requires_grad:  # a leaf, returned as it is
+                    record.returned_leaf(i, 0, y)
                 continue
             elements_out = record.elements  # records for the elements before this one
             record.results = compact = None
@@ -246,6 +265,8 @@ def run_forward(
             record.indices.append(i)
             record.results = compact
             record._elements = elements_out = None
+            if not diff_y and y.requires_grad:
+                record.returned_leaf(i, 0, y)
             continue
         assert elements_out is not None
         start = len(outputs)
@@ -255,17 +276,18 @@ def run_forward(
                 elements_out.append(ElementResult(i, y, None, None, _FIRST, start, start + 1))
             else:
                 elements_out.append(ElementResult(i, y, None, None, _NONE, start, start))
+                if y.requires_grad:
+                    record.returned_leaf(i, 0, y)
             continue
         leaves, spec = flatten(y)
         diff = []
         for j, leaf in enumerate(leaves):
-            if (
-                isinstance(leaf, Tensor)
-                and leaf.requires_grad
-                and not (leaf_results and leaf.is_leaf)
-            ):
-                outputs.append(leaf)
-                diff.append(j)
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                if leaf_results and leaf.is_leaf:
+                    record.returned_leaf(i, j, leaf)
+                else:
+                    outputs.append(leaf)
+                    diff.append(j)
         elements_out.append(ElementResult(i, None, leaves, spec, diff, start, len(outputs)))
     if random is not None and last is not None:
         random.check_chunk(last)
@@ -703,10 +725,8 @@ def _pull_back_fresh(
         places: list[int | None] = []
         for key, t in zip(fresh.boundary.keys, fresh.boundary.tensors):
             k = where.get(key)
-            if k is None and not (t.is_leaf and t.requires_grad):
-                _not_deterministic(api)
-            # (None: a leaf the recompute made anew, one of f's own -- ``pos.requires_grad_()``
-            # to take forces inside f -- whose gradient reaches no one: not pulled back to)
+            if k is None:
+                k = _made_anew(t, fresh, record, api)
             places.append(k)
         mask: list[bool] | None = None
         if wanted is not None or None in places:
@@ -738,6 +758,26 @@ def _pull_back_fresh(
     except Exception as exc:
         _name_failing_element(exc, record, live, n, api, lambda e: run([e]))
         raise
+
+
+def _made_anew(t: Tensor, fresh: ChunkRecord, record: ChunkRecord, api: str) -> int | None:
+    """Where the stored record's boundary has the leaf ``t`` that a recompute (``fresh``) made
+    anew, one of ``f``'s own (``p = x.clone().requires_grad_()`` for forces): the stored one
+    ``f`` returned at the same place, if it did (the user holds it, and its ``.grad`` must be
+    the loop's); ``None`` if ``f`` kept it to itself (its gradient reaches no one: not pulled
+    back to). Any other tensor the recompute reaches and the forward did not: an error."""
+    if not (t.is_leaf and t.requires_grad):
+        _not_deterministic(api)
+    for place, leaf in (fresh.returned or {}).items():
+        if leaf is t:
+            before = (record.returned or {}).get(place)
+            if before is None:
+                _not_deterministic(api)
+            for k, b in enumerate(record.boundary.tensors):
+                if b is before:
+                    return k
+            _not_deterministic(api)
+    return None
 
 
 def _not_deterministic(api: str) -> NoReturn:
