@@ -934,6 +934,7 @@ def test_a_map_leaves_the_callers_own_classes_as_they_are(tmp_path):
 
 
 _CLASSES_SCRIPT = """
+import collections
 import enum
 import numpy as np
 import torch, gradmap
@@ -962,10 +963,13 @@ class Bad(Exception):
     pass
 
 
+NT = collections.namedtuple("NT", ["v", "k"])
+
+
 def f(i, x):
     if i == 5 and x.sum() > 100:  # (only the call below that asks for it)
         raise Bad(i)
-    return Box(torch.sin(x * K * W)), Color.RED
+    return Box(torch.sin(x * K * W).detach()), Color.RED  # (no graph inside an object)
 
 
 def g(box):
@@ -980,6 +984,8 @@ for helps in (True, False):
         ys = gradmap.tmap(f, range(12), xs, executor=ex, chunksize=1)
         assert all(type(b) is Box and c is Color.RED for b, c in ys), helps
         assert Box.total is total and Box.total.__globals__ is globals(), helps
+    ys = gradmap.tmap(lambda x: NT(x * 2, 3), xs, executor=ex, chunksize=1)
+    assert all(type(y) is NT for y in ys), helps  # a named tuple of the script's: a container
     boxes = [Box(x) for x in xs]  # items of the script's own class
     got = gradmap.tsum(g, boxes, executor=ex, chunksize=1)
     P.grad = None

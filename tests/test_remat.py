@@ -247,3 +247,23 @@ def test_a_leaf_f_makes_and_returns_gets_the_loops_gradient_through_a_recompute(
     want = run(lambda f, xs: [f(x) for x in xs])
     got = run(lambda f, xs: gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs))
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_remat_refuses_an_f_that_changes_its_items_in_place(tmap_kwargs, api):
+    """The recompute would change the items a second time (the loop changes them once): an
+    error naming it, raised before any recompute runs, the items left as the forward left
+    them."""
+    c = torch.ones(3, requires_grad=True)
+    xs = [torch.ones(3) * (i + 1) for i in range(2)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return (x * c).sum()
+
+    mapped = getattr(gradmap, api)(f, xs, remat=True, **tmap_kwargs)
+    loss = sum(mapped) if api == "tmap" else mapped
+    after = [x.clone() for x in xs]
+    with pytest.raises(RuntimeError, match="changed in place a tensor it was given"):
+        loss.backward()
+    torch.testing.assert_close(xs, after)

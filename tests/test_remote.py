@@ -387,6 +387,27 @@ def test_a_tensor_of_the_callers_changed_in_place_and_returned_is_refused(remote
     remote.no_state_left()
 
 
+class _Holder:
+    """An object of the user's holding a tensor (no pytree gradmap reads)."""
+
+    def __init__(self, v: torch.Tensor) -> None:
+        self.v = v
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_a_tensor_requiring_grad_inside_an_object_result_is_refused(remote, ex, grad):
+    """The loop's gradient flows through a tensor an object of the user's holds; from another
+    process the object comes back without the graph (the gradient was lost without a word):
+    an error naming the element, the class and the fix. Without such a tensor the object comes
+    back as it is."""
+    xs = [torch.randn(2, requires_grad=True) for _ in range(4)]
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"element 0 .*_Holder"):
+        _on(ex)(lambda x: _Holder(x * 2 if grad else x), xs)
+    got = _on(ex)(lambda x: _Holder(x.detach() * 2), xs)
+    assert all(torch.equal(h.v, x.detach() * 2) for h, x in zip(got, xs))
+    remote.no_state_left()
+
+
 class _Tagged(torch.Tensor):
     """A tensor subclass (its own torch function: what subclasses that carry metadata do)."""
 

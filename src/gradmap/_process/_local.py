@@ -47,11 +47,10 @@ import torch
 
 from .._engine import working_on_a_chunk
 from .._placement import caller_seconds
-from .._remote._classes import as_users, fresh_classes
+from .._remote._classes import as_users, as_users_class, fresh_classes
 from .._remote._host import Host, hosting
 from .._remote._pickling import LeafTable
 from .._torch._random import SEEDING
-from .._tree import flatten, unflatten
 from ._host import PAYLOADS_KEPT
 
 __all__ = ["TINY", "LocalHost", "local_host", "tiny"]
@@ -111,13 +110,21 @@ class LocalHost(Host):
                 generator.set_state(state)
 
 
-def _users_tree(y: Any) -> Any:
-    """A result of the caller's own chunks, its objects of the user's own classes."""
-    leaves, spec = flatten(y)
-    users = [as_users(leaf) for leaf in leaves]
-    if all(a is b for a, b in zip(users, leaves)):
+def _users_tree(y: Any, depth: int = 0) -> Any:
+    """A result of the caller's own chunks, its objects -- containers too (a named tuple of the
+    script's) -- of the user's own classes."""
+    kind = type(y)
+    if kind is torch.Tensor or depth > 20:
         return y
-    return unflatten(users, spec)
+    if kind in (list, tuple) or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        items = [_users_tree(v, depth + 1) for v in y]
+        if kind is list:
+            return items
+        kind = as_users_class(kind)
+        return tuple(items) if kind is tuple else kind(*items)
+    if kind is dict:
+        return {k: _users_tree(v, depth + 1) for k, v in y.items()}
+    return as_users(y)
 
 
 _host_of_process: LocalHost | None = None

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["as_users", "fresh_classes", "users_classes"]
+__all__ = ["as_users", "as_users_class", "fresh_classes", "users_classes"]
 
 _lock = threading.Lock()
 
@@ -96,6 +96,11 @@ def users_classes() -> Iterator[None]:
 
     with _patched(lookup, keep):
         yield
+
+
+def as_users_class(cls: type) -> type:
+    """``cls``, or the user's own class where it is a copy ``fresh_classes`` made."""
+    return _originals.get(cls, cls) if _originals else cls
 
 
 def as_users(obj: Any) -> Any:

@@ -34,7 +34,7 @@ from typing import Any, NoReturn, cast
 import torch
 
 from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
-from .._torch._graph import Known
+from .._torch._graph import Known, tensors_in
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
@@ -641,10 +641,34 @@ def _plain_leaf_results(y: Any, state: _CallState, element: int) -> Any:
         leaf_results(one, state, element)
         return one[0]
     leaves, spec = flatten(y)
+    _no_hidden_graph(leaves, state, element)
     if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
         return y
     leaf_results(leaves, state, element)
     return unflatten(leaves, spec)
+
+
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _no_hidden_graph(leaves: list[Any], state: _CallState, element: int) -> None:
+    """Raise where a result's leaf is an object (no pytree gradmap reads: a class of the user's,
+    a dataclass) holding a tensor that requires grad: in the loop the gradient flows through
+    it; from another process it comes back without its graph, the gradient lost without a
+    word."""
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) or type(leaf) in _PLAIN:
+            continue
+        for t in tensors_in(leaf):
+            if t.requires_grad:
+                raise RuntimeError(
+                    f"{state.api}: element {element} (of {state.spec.n}) returned an object of "
+                    f"class {type(leaf).__name__} that holds a tensor requiring grad (shape "
+                    f"{tuple(t.shape)}); gradmap reads no tensor inside such an object, and from "
+                    "another process it comes back without its graph, so the gradient the loop "
+                    "gives through it would be lost. Return the tensors in a tuple, list, dict "
+                    "or namedtuple, or use executor='threads'."
+                )
 
 
 def _detached_all(tree: Any) -> Any:
@@ -673,6 +697,7 @@ def _detached_results(record: Any, state: _CallState, start: int) -> tuple[list[
         for pos in el.diff:
             leaves[pos] = leaves[pos].detach()
         if len(el.diff) < len(leaves):
+            _no_hidden_graph(leaves, state, start + e)
             leaf_results(leaves, state, start + e)
         trees.append(unflatten(leaves, el.spec))
     return trees, [el.diff for el in record.elements]

@@ -40,6 +40,7 @@ class MapCall:
         self.remat = remat = request.remat
         #: NOTE [a recompute reads what the forward read] (``_graph``): after a remat forward.
         self.versions: list[tuple[torch.Tensor, int]] | None = None
+        self.changed: torch.Tensor | None = None  # one the remat forward changed in place
         self.progress = request.progress
         self.api = api = request.api
         self.n = len(elements)
@@ -97,6 +98,7 @@ class MapCall:
         known = self.known if with_graph else None
         placement = self.placement
         seeded = None if placement.many else self.random
+        self.versions_before(with_graph)
         self.random.each = placement.seeds_each or self.remat  # a recompute replays each
 
         def forward_chunk(k: int, run: ChunkRun[ChunkRecord]) -> ChunkRecord:
@@ -129,14 +131,30 @@ class MapCall:
         self.note_versions(with_graph)
         return records
 
-    def note_versions(self, with_graph: bool) -> None:
-        """After a ``remat`` forward: the versions of what a recompute reads again (NOTE [a
-        recompute reads what the forward read] in ``_graph``)."""
+    def versions_before(self, with_graph: bool) -> None:
+        """Before a ``remat`` forward: the versions of what it reads, to tell what it changes."""
         if self.remat and with_graph and self.f is not None and self.elements is not None:
             self.versions = versions_used(self.f, self.elements)
 
+    def note_versions(self, with_graph: bool) -> None:
+        """After a ``remat`` forward: the versions of what a recompute reads again (NOTE [a
+        recompute reads what the forward read] in ``_graph``), and whether the forward itself
+        changed any of it."""
+        if self.remat and with_graph and self.f is not None and self.elements is not None:
+            before = self.versions or []
+            self.changed = next((t for t, v in before if t._version != v), None)
+            self.versions = versions_used(self.f, self.elements)
+
     def check_versions(self) -> None:
-        """Before a ``remat`` backward's recomputes: raise where what they read changed."""
+        """Before a ``remat`` backward's recomputes: raise where what they read changed, or
+        where the forward changed what it was given (the recompute would change it again)."""
+        if self.changed is not None:
+            raise RuntimeError(
+                f"{self.api}: with remat=True f runs again in the backward, and its forward "
+                f"changed in place a tensor it was given (shape {tuple(self.changed.shape)}): "
+                "the recompute would change it a second time, where the loop changes it once. "
+                "Let f change a copy (x = x.clone()), or use remat=False."
+            )
         if self.versions:
             check_versions(self.versions, self.api)
 
@@ -177,3 +195,4 @@ class MapCall:
         self.f = self.elements = None
         self.known = None
         self.versions = None
+        self.changed = None

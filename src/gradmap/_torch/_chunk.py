@@ -784,7 +784,9 @@ def _not_deterministic(api: str) -> NoReturn:
     raise RuntimeError(
         f"{api}: recomputing f (remat=True, or a create_graph=True backward) gave other results, "
         "or used other tensors, than its forward did. f must be deterministic apart from its "
-        "random numbers, which are replayed."
+        "random numbers, which are replayed; and what it reads must not change between the "
+        "forward and the backward (a change through .data counts no version, so it is seen "
+        "only here)."
     )
 
 

@@ -527,6 +527,13 @@ def versions_used(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[tuple[Ten
     return [(t, t._version) for t in found if not t.is_inference()]
 
 
+def tensors_in(obj: Any) -> list[Tensor]:
+    """The tensors an object holds in its attributes and containers (a few levels deep)."""
+    found: list[Tensor] = []
+    _collect(obj, found, set(), 0, items=True, every=True)
+    return found
+
+
 def check_versions(versions: list[tuple[Tensor, int]], api: str) -> None:
     """Raise where a tensor of ``versions`` changed in place since they were taken.
 

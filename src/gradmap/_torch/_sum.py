@@ -90,6 +90,7 @@ def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor |
     assert f is not None and elements is not None
     placement = call.placement
     call.random.each = placement.seeds_each or call.remat  # a recompute replays each
+    call.versions_before(True)
 
     def forward(k: int, stopped: Callable[[], bool], seeded: MapRandom | None) -> ChunkRecord:
         return run_forward(
