@@ -733,8 +733,9 @@ def test_zero_cotangents_run_backward_user_code_as_in_the_loop(tmap_kwargs, kind
     torch.testing.assert_close([got[0], *got[2:]], [ref[0], *ref[2:]])
 
 
+@pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("later_use", [False, True])
-def test_a_result_f_retains_the_gradient_of_gets_the_loops(tmap_kwargs, later_use):
+def test_a_result_f_retains_the_gradient_of_gets_the_loops(tmap_kwargs, later_use, remat):
     """``h.retain_grad(); return h`` in f: the result the user holds retains its gradient, all
     of it -- from the user's loss, and from f's own later use of it (NOTE [results that retain
     their gradient])."""
@@ -748,10 +749,12 @@ def test_a_result_f_retains_the_gradient_of_gets_the_loops(tmap_kwargs, later_us
             return h, h.sum() * 2 if later_use else h.detach().sum()
 
         ys = mapper(f, range(3))
-        sum((h * (k + 1)).sum() + s for k, (h, s) in enumerate(ys)).backward()
+        loss = sum((h * (k + 1)).sum() + s for k, (h, s) in enumerate(ys))
+        loss.backward(retain_graph=True)
+        loss.backward()  # (the retained gradients add up)
         return [w.grad, *(h.grad for h, _ in ys), [h.retains_grad for h, _ in ys]]
 
-    got = run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))
+    got = run(lambda f, xs: gradmap.tmap(f, xs, remat=remat, **tmap_kwargs))
     ref = run(loop)
     assert got[-1] == ref[-1] == [True] * 3
     torch.testing.assert_close(got[:-1], ref[:-1])

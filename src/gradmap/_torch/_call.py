@@ -113,6 +113,8 @@ class MapCall:
                 leaf_results=self.api == "gradmap.tmap",  # NOTE [leaves returned as they are]
             )
             if self.remat:
+                if record.boundary.user or not self.gated:
+                    record.note_retained()  # NOTE [results that retain their gradient]
                 record.drop_graph()  # its boundary is read: free it before the next chunk
             return record
 

@@ -117,6 +117,7 @@ class ChunkRecord:
         "indices",
         "outputs",
         "results",
+        "retained",
         "returned",
         "stored",
         "views",
@@ -135,6 +136,16 @@ class ChunkRecord:
         #: The leaves requiring grad returned as they are (NOTE [leaves returned as they are]),
         #: by (element, position among the result's leaves); ``None``: none.
         self.returned: dict[tuple[int, int], Tensor] | None = None
+        #: NOTE [results that retain their gradient] (``_map``) under ``remat``: the outputs
+        #: ``f`` called ``retain_grad()`` on (noted before the graph is freed), then their
+        #: gradients from the recomputes, by output.
+        self.retained: list[int] | dict[int, Tensor | None] | None = None
+
+    def note_retained(self) -> None:
+        """Before a ``remat`` forward frees the graph: which outputs retain their gradient."""
+        kept = [o for o, t in enumerate(self.outputs) if t.retains_grad]
+        if kept:
+            self.retained = kept
 
     def returned_leaf(self, i: int, position: int, leaf: Tensor) -> None:
         if self.returned is None:
@@ -743,6 +754,8 @@ def _pull_back_fresh(
             owner=owner,
             retain=create_graph or bool(fresh.boundary.nodes),
         )
+        if record.retained is not None:  # NOTE [results that retain their gradient] (``_map``)
+            _retained_grads(record, fresh, which)
         for k, g in zip(_wanted(places, mask), got):
             assert k is not None
             result[k] = g
@@ -758,6 +771,20 @@ def _pull_back_fresh(
     except Exception as exc:
         _name_failing_element(exc, record, live, n, api, lambda e: run([e]))
         raise
+
+
+def _retained_grads(record: ChunkRecord, fresh: ChunkRecord, which: list[int]) -> None:
+    """Add the gradients of the recomputed outputs that retain theirs to ``record.retained``."""
+    places = record.retained
+    noted = places if isinstance(places, dict) else dict.fromkeys(places or ())
+    for e, new in zip(which, fresh.elements):
+        el = record.elements[e]
+        for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
+            g = fresh.outputs[o_new].grad if o in noted else None
+            if g is not None:
+                before = noted[o]
+                noted[o] = g.detach() if before is None else before + g.detach()
+    record.retained = noted
 
 
 def _made_anew(t: Tensor, fresh: ChunkRecord, record: ChunkRecord, api: str) -> int | None:

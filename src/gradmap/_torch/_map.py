@@ -94,28 +94,31 @@ def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
 
 def _retained(
     records: list[ChunkRecord], joined: Sequence[Tensor], *, look: bool
-) -> list[tuple[weakref.ref[Tensor], Tensor]]:
+) -> list[tuple[weakref.ref[Tensor], ChunkRecord, int]]:
     """The join outputs for results on which ``f`` called ``retain_grad()``, made to retain
-    theirs, each with that result.
+    theirs, each with its chunk and its place among the chunk's outputs.
 
     NOTE [results that retain their gradient]:
         The loop hands out the tensor ``f`` called ``retain_grad()`` on, and the backward fills
         its ``.grad`` with all the gradient that reaches it, from the user's loss and from
         ``f``'s own later use of it. The user holds the join's output instead: it retains its
         gradient too, and after each backward the map's join sets it to the result's own
-        ``.grad``, which the chunk's pullback filled with the whole of it. Only chunks whose
-        walk found a hook are looked at (``Boundary.user``; every chunk with the Python walk,
-        ``look``).
+        ``.grad``, which the chunk's pullback filled with the whole of it (under ``remat``, the
+        recomputed result's, added up over backwards: ``ChunkRecord.retained``). Only chunks
+        whose walk found a hook are looked at (``Boundary.user``; every chunk with the Python
+        walk, ``look``).
     """
     retained = []
     start = 0
     for r in records:
-        if look or r.boundary.user:
-            for o, t in enumerate(r.outputs):
-                if t.retains_grad:
-                    alias = joined[start + o]
-                    alias.retain_grad()
-                    retained.append((weakref.ref(alias), t))
+        if r.stored and (look or r.boundary.user):
+            places = [o for o, t in enumerate(r.outputs) if t.retains_grad]
+        else:
+            places = list(r.retained or ())  # (noted before a remat forward freed the graph)
+        for o in places:
+            alias = joined[start + o]
+            alias.retain_grad()
+            retained.append((weakref.ref(alias), r, o))
         start += len(r.outputs)
     return retained
 
@@ -130,7 +133,7 @@ class MapGraph(JoinGraph):
         self.outputs = [t for r in records for t in r.outputs]
         self.spent = Spent(len(self.outputs))
         #: NOTE [results that retain their gradient]: (the join output, the result) pairs.
-        self.retained: list[tuple[weakref.ref[Tensor], Tensor]] = []
+        self.retained: list[tuple[weakref.ref[Tensor], ChunkRecord, int]] = []
         hooks = BlockHooks((node for r in records for node in r.boundary.nodes), call.owner)
         # Removed in the caller's backward once the graph is done with (the finalizer is for a
         # graph never pulled back): a collection in any thread could otherwise remove them while
@@ -248,10 +251,14 @@ class MapGraph(JoinGraph):
                 _accumulate(call, records[k], chunk_cotangents(k))
                 per_chunk[k] = None  # the plain backward passed everything on
         grads = sum_in_chunk_order(layout, per_chunk, torch.add)
-        for ref, result in self.retained:  # NOTE [results that retain their gradient]
+        for ref, record, o in self.retained:  # NOTE [results that retain their gradient]
             alias = ref()
-            if alias is not None and result.grad is not None:
-                alias.grad = result.grad
+            if record.stored:
+                grad = record.outputs[o].grad
+            else:
+                grad = record.retained[o] if isinstance(record.retained, dict) else None
+            if alias is not None and grad is not None:
+                alias.grad = grad
         if not keep_graph():
             if self.spent.left == 0:
                 self.retained = []
