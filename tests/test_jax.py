@@ -422,6 +422,56 @@ def test_numpy_text_and_object_arrays_are_used_as_they_are(kw):
         labels[1] = "a"  # seen by the next call
 
 
+def test_items_and_closures_that_differ_in_the_sign_of_zero_are_not_one_trace():
+    """-0.0 == 0.0, but w / -0.0 is -inf: a numpy float32 item and a complex closure value of
+    each sign get traces of their own (they shared one, keyed by ``==``)."""
+    w = jnp.asarray(1.0, jnp.float32)
+    scales = [np.float32(0.0), np.float32(-0.0)]
+    got = jax.vjp(lambda w: gmj.tmap(lambda s: w / s, scales, executor="serial"), w)[0]
+    assert [float(y) for y in got] == [np.inf, -np.inf]
+    with _x64():
+        v = jnp.asarray(1.0)
+
+        def angle_sum(c: complex) -> float:
+            return float(gmj.tsum(lambda x: jnp.angle(c) * v * x, [1.0, 1.0], executor="serial"))
+
+        assert angle_sum(complex(0.0, 0.0)) == 0.0
+        assert angle_sum(complex(-0.0, 0.0)) == pytest.approx(2 * np.pi)
+
+
+def test_tsum_of_half_precision_losses_scaled_by_the_caller(kw):
+    """Loss scaling: the caller multiplies the sum by 4096 (or divides it). Computed in float16,
+    an element's gradient taken with cotangent one underflows (or overflows) before the scale,
+    where the loop's backward carries the scaled cotangent: such elements keep their pullback,
+    the loop's gradients."""
+    with _x64():
+        w = jnp.array(1.0, dtype=jnp.float16)
+        small = [jnp.array(1e-4, dtype=jnp.float16), jnp.array(2e-4, dtype=jnp.float16)]
+        large = [jnp.array(300.0, dtype=jnp.float16), jnp.array(260.0, dtype=jnp.float16)]
+
+        def f(w: jax.Array, x: jax.Array) -> jax.Array:
+            return w * x * x
+
+        def both(xs: list[jax.Array], scale: float) -> tuple[float, float]:
+            want = jax.grad(lambda w: sum(f(w, x) for x in xs) * scale)(w)
+            got = jax.grad(lambda w: gmj.tsum(lambda x: f(w, x), xs, **kw) * scale)(w)
+            return float(got), float(want)
+
+        got, want = both(small, 4096.0)
+        assert got == want
+        got, want = both(large, 1 / 1000.0)
+        assert got == want
+        # float32 parameters, float16 inside f, a float32 loss
+        w32 = jnp.ones(2, jnp.float32)
+
+        def mixed(w: jax.Array, x: jax.Array) -> jax.Array:
+            return jnp.sum(w.astype(jnp.float16) * x * x).astype(jnp.float32)
+
+        want = jax.grad(lambda w: sum(mixed(w, x) for x in small) * 4096.0)(w32)
+        got = jax.grad(lambda w: gmj.tsum(lambda x: mixed(w, x), small, **kw) * 4096.0)(w32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_jacrev_calls_the_pullbacks_under_vmap(kw):
     p, xs = params(), bags(5)
     got = jax.jacrev(lambda p: jnp.stack(gmj.tmap(lambda x: bag_loss_jit(p, x), xs, **kw)))(p)

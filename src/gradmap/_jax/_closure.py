@@ -297,12 +297,12 @@ def _static(node: _Node) -> bool:
 
 
 def _by_value(x: Any) -> Hashable:
-    if isinstance(x, float):
+    if isinstance(x, (float, np.floating)):
         # 0.0 and -0.0 are equal, but not the same constant; a Python float (weakly typed) and
         # an ``np.float64`` (a float too) give other dtypes
-        return (type(x), x.hex())
-    if isinstance(x, np.floating):
         return (type(x), float(x).hex())
+    if isinstance(x, (complex, np.complexfloating)):
+        return (type(x), float(x.real).hex(), float(x.imag).hex())
     return (type(x), x)
 
 

@@ -37,6 +37,7 @@ NOTE [hoisting the tracers an element uses]:
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -269,10 +270,10 @@ def _type_key(x: Any) -> Hashable:
 
 def _static_key(x: Any) -> tuple[Hashable, bool]:
     """The key of a non-array item, and whether it is a value (the same in any call)."""
-    if isinstance(x, float):
+    if isinstance(x, (float, np.floating, complex, np.complexfloating)):
         # 0.0 and -0.0 are equal, but not the same constant; a Python float is weakly typed, an
         # ``np.float64`` (a float too) is not: other result dtypes, other traces
-        return ("float", type(x), x.hex()), True
+        return ("float", type(x), *_float_bits(x)), True
     if isinstance(x, np.ndarray):  # of strings or objects: no JAX type (``traceable``)
         if x.dtype.kind in "SU":
             return ("np", x.dtype.str, x.shape, x.tobytes()), True
@@ -284,6 +285,30 @@ def _static_key(x: Any) -> tuple[Hashable, bool]:
     except TypeError:
         return ("id", id(x)), False
     return (type(x), x), False
+
+
+@functools.lru_cache(maxsize=1024)
+def _low_precision(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or a program inside it) computes a float of fewer than 32 bits."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            dtype = getattr(v.aval, "dtype", None)
+            if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+                return True
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a closed jaxpr's
+                if hasattr(inner, "eqns") and _low_precision(inner):
+                    return True
+    return False
+
+
+def _float_bits(x: Any) -> tuple[str, ...]:
+    """A float's or a complex number's exact value, as hex (-0.0 apart from 0.0, which ``==``
+    does not tell)."""
+    if isinstance(x, (complex, np.complexfloating)):
+        return float(x.real).hex(), float(x.imag).hex()
+    return (float(x).hex(),)
 
 
 def traceable(x: Any) -> bool:
@@ -690,7 +715,15 @@ def steps_of(element: Prepared) -> Steps:
     loss = None
     if len(diff) == 1:
         aval = p_avals[out_index[diff[0]]]
-        if aval.shape == () and not jnp.issubdtype(aval.dtype, jnp.complexfloating):
+        # A real 0-d loss computed in 32 bits or more: its gradient taken with cotangent one and
+        # scaled later is the loop's. Computed in float16 or bfloat16 anywhere, it underflows or
+        # overflows before the scale (loss scaling: ``tsum(...) * 4096``), where the loop's
+        # backward carries the scaled cotangent: such an element keeps its pullback.
+        if (
+            aval.shape == ()
+            and not jnp.issubdtype(aval.dtype, jnp.complexfloating)
+            and not _low_precision(traced.jaxpr)
+        ):
             loss = diff[0]
     return Steps(traced.programs(), args, positions, sources, out_index, p_avals, diff, loss)
 
