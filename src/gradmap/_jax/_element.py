@@ -37,9 +37,9 @@ NOTE [hoisting the tracers an element uses]:
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -287,9 +287,19 @@ def _static_key(x: Any) -> tuple[Hashable, bool]:
     return (type(x), x), False
 
 
-@functools.lru_cache(maxsize=1024)
+#: ``_low_precision``'s answers, by jaxpr (weakly: an entry lives as long as its trace).
+_LOW_PRECISION: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def _low_precision(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` (or a program inside it) computes a float of fewer than 32 bits."""
+    known = _LOW_PRECISION.get(jaxpr)
+    if known is None:
+        known = _LOW_PRECISION[jaxpr] = _computes_low_precision(jaxpr)
+    return known
+
+
+def _computes_low_precision(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             dtype = getattr(v.aval, "dtype", None)
@@ -298,7 +308,7 @@ def _low_precision(jaxpr: Any) -> bool:
         for param in eqn.params.values():
             for inner in param if isinstance(param, (list, tuple)) else (param,):
                 inner = getattr(inner, "jaxpr", inner)  # a closed jaxpr's
-                if hasattr(inner, "eqns") and _low_precision(inner):
+                if hasattr(inner, "eqns") and _computes_low_precision(inner):
                     return True
     return False
 
