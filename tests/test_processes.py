@@ -847,6 +847,28 @@ def test_nested_tmap_runs_on_the_worker(ex, inner):
     close(torch.autograd.grad(loss(got), [w, *xs]), torch.autograd.grad(loss(ref), [w, *xs]))
 
 
+@pytest.mark.parametrize("outer", ["threads", "user-pool"])
+@support.deadline(120)
+def test_a_map_on_processes_inside_a_map_on_threads(ex, outer):
+    """f, run on threads, maps on processes: the inner map runs (it hung: the outer map holds
+    the generator's lock while its chunks run, and the inner map took it again)."""
+    w = torch.randn(3, requires_grad=True)
+
+    def inner(x: float) -> torch.Tensor:
+        return (w * x).sin().sum()
+
+    def f(x: int) -> torch.Tensor:
+        return torch.stack(gradmap.tmap(inner, [x * 10.0 + j for j in range(4)], executor=ex)).sum()
+
+    def run(mapper: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ys = torch.stack(mapper(f, range(6)))
+        return ys.detach(), torch.autograd.grad(ys.sum(), w)[0]
+
+    with support.executor_kwargs(outer) as (kwargs, _):
+        got = run(lambda f, xs: gradmap.tmap(f, xs, **kwargs))
+    close(got, run(loop))
+
+
 # -- shutdown: last, no process left behind ---------------------------------------------------
 
 

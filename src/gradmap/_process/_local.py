@@ -40,12 +40,12 @@ NOTE [the caller works too]:
 from __future__ import annotations
 
 import threading
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
-from .._engine import working_on_a_chunk
+from .._engine import on_a_chunk, working_on_a_chunk
 from .._placement import caller_seconds
 from .._remote._classes import as_users, as_users_class, fresh_classes
 from .._remote._host import Host, hosting
@@ -92,7 +92,8 @@ class LocalHost(Host):
 
     def run(self, method: str, args: tuple[Any, ...]) -> Any:
         """``method(*args)`` in this thread, as a worker would run it."""
-        with self.lock, SEEDING:
+        # (Nested in a chunk of a map on threads, the outer map holds ``SEEDING`` already.)
+        with self.lock, nullcontext() if on_a_chunk() else SEEDING:
             generator = torch.default_generator
             state = generator.get_state()
             threads = torch.get_num_threads()

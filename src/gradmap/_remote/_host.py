@@ -33,6 +33,7 @@ from typing import Any, NoReturn, cast
 
 import torch
 
+from .._engine import on_a_chunk
 from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
 from .._torch._graph import Known, tensors_in
 from .._torch._random import SEEDING, MapRandom
@@ -96,7 +97,9 @@ def draw_base() -> int:
     """The seed base the thread executor would draw now; the global generator is left as it was
     (about 4 us)."""
     generator = torch.default_generator
-    with SEEDING:  # no other map seeds the generator meanwhile
+    # No other map seeds the generator meanwhile; nested in a chunk of a map on threads, the
+    # outer map holds the lock already (waiting for this chunk: taking it again deadlocked).
+    with nullcontext() if on_a_chunk() else SEEDING:
         state = generator.get_state()
         try:
             return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
