@@ -11,7 +11,7 @@ import pytest
 
 from gradmap._engine import run_chunks, run_pipeline
 from gradmap._executors import FuturesExecutor, SerialExecutor, ThreadExecutor
-from gradmap._placement import CHANGED, REMEASURE, placement_for
+from gradmap._placement import CHANGED, EXPLORE, REMEASURE, placement_for
 from gradmap._plan import TARGET_CHUNKS, plan_chunks
 
 
@@ -194,21 +194,39 @@ GIL_ONLY = pytest.mark.skipif(
 )
 
 
+def _explore(f, one, many):
+    """The first ``1 + EXPLORE`` calls of a new ``f``: one thread, then the pool and one thread
+    in turn, recording ``one`` and ``many`` (lists of seconds per element, taken in order)."""
+    one, many = list(one), list(many)
+    first = placement_for(f, forced_many=False, forced_one=False)
+    assert not first.many
+    first.record(one.pop(0))
+    for turn in range(EXPLORE):
+        p = placement_for(f, forced_many=False, forced_one=False)
+        assert p.many == (turn % 2 == 0)
+        p.record(many.pop(0) if p.many else one.pop(0))
+
+
 @GIL_ONLY
-def test_placement_measures_one_thread_then_the_pool_then_one_thread():
+def test_placement_measures_one_thread_then_both_sides_in_turn():
     def f(x):  # a new code object: no history yet
         return x
 
-    first = placement_for(f, forced_many=False, forced_one=False)
-    assert not first.many
-    first.record(2e-3)  # seconds per element in one thread
-    second = placement_for(f, forced_many=False, forced_one=False)
-    assert second.many  # measured on the pool
-    second.record(3e-3)  # slower on the pool (a GIL-bound forward)
-    third = placement_for(f, forced_many=False, forced_one=False)
-    assert not third.many  # one thread again, measured
-    third.record(1.9e-3)
+    # Slower on the pool (a GIL-bound forward), whatever the first, cold call took.
+    _explore(f, one=[9e-3, 2e-3, 1.9e-3], many=[3e-3, 2.5e-3])
     assert not placement_for(f, forced_many=False, forced_one=False).many
+
+
+@GIL_ONLY
+def test_placement_takes_each_sides_best_sample():
+    """A process's first calls run slower than its later ones: one slow sample of the pool
+    (here its first) must not send a forward that is faster there to one thread."""
+
+    def f(x):
+        return x
+
+    _explore(f, one=[4e-3, 2e-3, 2.1e-3], many=[2.4e-3, 1.2e-3])
+    assert placement_for(f, forced_many=False, forced_one=False).many
 
 
 @GIL_ONLY
@@ -216,17 +234,12 @@ def test_placement_keeps_the_pool_for_a_faster_forward_and_remeasures():
     def g(x):
         return x
 
-    one, many, again = _calls(g, 3)
-    one.record(2e-3)
-    many.record(1e-3)  # twice as fast on the pool
-    again.record(2.1e-3)
-    assert all(p.many for p in _calls(g, REMEASURE - 4))  # calls 4 .. REMEASURE - 1
-    remeasured = placement_for(g, forced_many=False, forced_one=False)  # call REMEASURE
-    assert remeasured.many
-    remeasured.record(1.95e-3)  # no longer faster than 0.9 x one thread
-    refresh = placement_for(g, forced_many=False, forced_one=False)
-    assert not refresh.many  # one thread measured afresh
-    refresh.record(2e-3)
+    _explore(g, one=[2e-3, 2.1e-3, 2e-3], many=[1e-3, 1.1e-3])  # twice as fast on the pool
+    assert all(p.many for p in _calls(g, REMEASURE - 2 - EXPLORE))  # calls 6 .. REMEASURE - 1
+    for turn in range(EXPLORE):  # calls REMEASURE .. : both sides measured afresh
+        p = placement_for(g, forced_many=False, forced_one=False)
+        assert p.many == (turn % 2 == 0)
+        p.record(1.95e-3 if p.many else 2e-3)  # no longer faster than 0.9 x one thread
     assert not placement_for(g, forced_many=False, forced_one=False).many
 
 
@@ -238,20 +251,17 @@ def test_placement_measures_again_when_the_elements_change():
     def h(x):
         return x
 
-    one, many, again = _calls(h, 3)
-    one.record(2e-3)
-    many.record(1e-3)  # the pool wins on these elements
-    again.record(2e-3)
+    _explore(h, one=[2e-3, 2e-3, 2e-3], many=[1e-3, 1e-3])  # the pool wins on these elements
     chosen = placement_for(h, forced_many=False, forced_one=False)
     assert chosen.many
     chosen._check(1.2e-3)  # as measured: nothing changes
     assert placement_for(h, forced_many=False, forced_one=False).many
     changed = placement_for(h, forced_many=False, forced_one=False)
     changed._check(1e-3 / (CHANGED * 1.5))  # elements much smaller than before
-    pool, single = _calls(h, 2)
-    assert pool.many and not single.many  # both sides measured afresh
-    pool.record(3e-4)
-    single.record(2e-4)  # one thread wins on the new elements
+    turns = _calls(h, EXPLORE)
+    assert [p.many for p in turns] == [True, False] * (EXPLORE // 2)  # both sides afresh
+    for p in turns:
+        p.record(3e-4 if p.many else 2e-4)  # one thread wins on the new elements
     assert not placement_for(h, forced_many=False, forced_one=False).many
 
 
@@ -273,8 +283,27 @@ def test_placement_forced_and_random():
     assert not placement_for(h, forced_many=False, forced_one=True).many
     first = placement_for(h, forced_many=True, forced_one=False)
     assert not first.many  # the first call learns whether f draws random numbers
+    assert placement_for(h, forced_many=True, forced_one=False).many
     first.learned_random(True)
     assert not placement_for(h, forced_many=True, forced_one=False).many
+
+
+@GIL_ONLY
+def test_forced_maps_leave_the_measuring_turns_of_free_ones():
+    """Maps of one ``f`` with ``workers=`` and without, interleaved: the forced ones (which
+    measure nothing) do not take the free ones' measuring turns."""
+
+    def h(x):
+        return x
+
+    first = placement_for(h, forced_many=False, forced_one=False)
+    first.record(2e-3)
+    for turn in range(EXPLORE):
+        assert placement_for(h, forced_many=True, forced_one=False).many or turn == 0
+        p = placement_for(h, forced_many=False, forced_one=False)
+        assert p.many == (turn % 2 == 0) and p._measure
+        p.record(1e-3 if p.many else 2e-3)
+    assert placement_for(h, forced_many=False, forced_one=False).many
 
 
 def test_placement_seeds_each_element_until_f_is_seen_to_draw_nothing():

@@ -15,17 +15,24 @@ NOTE [forward placement]:
     does, so results are bitwise the same whichever placement ran) or on *many* (the pool), and
     the choice is measured per ``f``, as wall seconds per element of the forward pass (for
     ``tsum``, of the pass with the pullbacks that overlap it):
-    - a new ``f`` runs its first and third forwards in one thread, whatever the executor (the
-      first also learns whether ``f`` draws random numbers; one that does keeps one thread for
-      its forwards, NOTE [random numbers per element]), and its second on the pool;
-    - from then on it runs on the pool if the pool's time per element was below
-      ``FASTER`` times the better one-thread time, else in one thread;
-    - every ``REMEASURE`` calls it is measured again, pool then one thread, in case the elements
-      changed; and at once when a call on the chosen side takes ``CHANGED`` times more or less per
-      element than that side's last measurement (the same ``f`` over other elements). The
-      bench's ragged and small bags share one ``f``: before counts and changes told their
+    - a new ``f`` runs its first forward in one thread, whatever the executor (it also learns
+      whether ``f`` draws random numbers; one that does keeps one thread for its forwards, NOTE
+      [random numbers per element]); then its next ``EXPLORE`` calls alternate, pool then one
+      thread, and each side keeps its *best* time per element;
+    - from then on it runs on the pool if the pool's best time per element was below ``FASTER``
+      times one thread's, else in one thread;
+    - every ``REMEASURE`` calls both sides are measured afresh the same way, in case the
+      elements changed; and at once when a call on the chosen side takes ``CHANGED`` times more
+      or less per element than that side's measurement (the same ``f`` over other elements).
+      The bench's ragged and small bags share one ``f``: before counts and changes told their
       histories apart, the pool chosen for ragged bags ran small bags' forwards 1.5x slower
       than one thread until the next ``REMEASURE``.
+    Two samples a side, not one: a process's first calls run 1.2-4x slower than its later ones
+    (allocator, caches; measured on 2 cores: a GRU ``tsum``'s second call, the only pool sample
+    of an earlier rule, took 181 ms where later calls took 165; a ragged bags ``tsum``'s third
+    call, 108 ms against 40), and a single slow sample sent a GRU's ``tsum`` to one thread,
+    1.65x the loop where the pool gives 2.2x. A sample's noise only ever adds time, so the best
+    of two is the better estimate.
     An earlier rule kept the pool when the pass's threads were busy for 1.35x its wall time or
     more; the neural ODE forward (`gradmap bench`) reached that while running 2.6x *slower* than
     in one thread (busy is not fast: two threads trading the GIL burn CPU on the hand-offs), so
@@ -33,10 +40,12 @@ NOTE [forward placement]:
     On a free-threaded CPython (``sys._is_gil_enabled()`` false) forwards always use the pool.
     A user who passes ``workers`` or an executor forces the pool (from the second call, for an
     ``f`` that draws no random numbers); ``executor="serial"`` or ``workers=1`` forces one
-    thread. ``f`` is told apart by its code object (a bound method or ``functools.partial`` by
-    its function's), so a lambda made anew each step keeps its history; ``tmap`` and ``tsum``,
-    with a graph or without, and ``remat`` keep separate histories (their passes differ), and so
-    do maps over element counts more than a factor of two apart (other data, most likely).
+    thread. Forced maps keep a history of their own (for the random numbers), so that they do
+    not take the measuring turns of the same ``f``'s free maps. ``f`` is told apart by its code
+    object (a bound method or ``functools.partial`` by its function's), so a lambda made anew
+    each step keeps its history; ``tmap`` and ``tsum``, with a graph or without, and ``remat``
+    keep separate histories (their passes differ), and so do maps over element counts more than
+    a factor of two apart (other data, most likely).
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from typing import Any
 __all__ = ["Placement", "caller_seconds", "key_of", "learn_caller_seconds", "placement_for"]
 
 FASTER = 0.9
+EXPLORE = 4  # calls after the first: pool, one thread, pool, one thread
 REMEASURE = 50
 CHANGED = 2.0
 
@@ -87,7 +97,7 @@ class _History:
         self.caller: float | None = None  # latest seconds per element in the caller, processes
         self.calls = 0
         self.one: float | None = None  # best seconds per element in one thread
-        self.many: float | None = None  # latest seconds per element on the pool
+        self.many: float | None = None  # best seconds per element on the pool
         self.random = False
 
     @property
@@ -128,7 +138,7 @@ class Placement:
         if history is None:
             return
         if self.many:
-            history.many = per_element
+            history.many = per_element if history.many is None else min(history.many, per_element)
         else:
             history.one = per_element if history.one is None else min(history.one, per_element)
 
@@ -142,7 +152,7 @@ class Placement:
         if known is None or known / CHANGED <= per_element <= known * CHANGED:
             return
         with _lock:
-            history.calls = 1  # the next two calls measure the pool, then one thread
+            history.calls = 1  # the next calls measure both sides afresh
             history.one = history.many = None
 
     @property
@@ -161,27 +171,28 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
     """Choose where the forward of a map of ``f`` runs (NOTE [forward placement]). ``kind`` tells
     apart passes of one ``f`` that are timed differently (``tmap`` or ``tsum``, with a graph or
     without, ``remat``): each has a history of its own."""
-    if forced_one:  # one thread, measuring nothing: a history only for the random numbers
+    if forced_one or forced_many:  # a history of its own, for the random numbers
         with _lock:
-            history = _history_of(f, ("one", kind))
+            history = _history_of(f, ("one" if forced_one else "many", kind))
             history.calls += 1
-        return Placement(False, history, False)
+            calls = history.calls
+        many = forced_many and not history.random and calls > 1
+        return Placement(many, history, False)
     with _lock:
         history = _history_of(f, kind)
         history.calls += 1
         calls = history.calls
-    if history.random:
-        return Placement(False, history, False)
-    if calls == 1:
-        return Placement(False, history, True)
-    if forced_many or not _gil_enabled():
-        return Placement(True, history, False)
-    if calls == 2 or calls % REMEASURE == 0:
-        return Placement(True, history, True)
-    if calls == 3 or calls % REMEASURE == 1:
-        if calls > 3:
-            history.one = None  # measured afresh
-        return Placement(False, history, True)
+        if history.random:
+            return Placement(False, history, False)
+        if calls == 1:
+            return Placement(False, history, True)
+        if not _gil_enabled():
+            return Placement(True, history, False)
+        turn = calls - 2 if calls <= 1 + EXPLORE else calls % REMEASURE
+        if turn < EXPLORE:  # measuring: the pool on even turns, one thread on odd ones
+            if turn == 0 and calls > 2:
+                history.one = history.many = None  # measured afresh
+            return Placement(turn % 2 == 0, history, True)
     return Placement(bool(history.parallel), history, False, watch=True)
 
 

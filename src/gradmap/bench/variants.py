@@ -73,7 +73,7 @@ class Variant:
         needs_batched: Whether the variant needs ``Workload.batched_loss``.
         workers: The ``workers`` argument given to ``tmap``, for the workers sweep.
         settle: Untimed calls before the warm-up: a map on threads measures its forward's
-            placement on its first three calls (NOTE [forward placement]), and the bench times
+            placement on its first five calls (NOTE [forward placement]), and the bench times
             the steady state.
     """
 
@@ -247,10 +247,10 @@ def build_variants(
         elif name == "tmap":
             assert tmap is not None
             variants.append(
-                Variant(name, _tmap_loss(tmap, executor, workers), workers=workers, settle=2)
+                Variant(name, _tmap_loss(tmap, executor, workers), workers=workers, settle=4)
             )
         elif name == "tsum":
-            variants.append(Variant(name, _tsum_loss(executor, workers), workers=workers, settle=2))
+            variants.append(Variant(name, _tsum_loss(executor, workers), workers=workers, settle=4))
         elif name == "tmap-proc":
             assert tmap is not None
             variants.append(Variant(name, _tmap_loss(tmap, "processes", workers), workers=workers))
@@ -264,14 +264,14 @@ def build_variants(
         elif name == "remat":
             assert tmap is not None
             variants.append(
-                Variant(name, _tmap_loss(tmap, executor, workers, remat=True), settle=2)
+                Variant(name, _tmap_loss(tmap, executor, workers, remat=True), settle=4)
             )
         elif name == "vmap":
             variants.append(Variant(name, batched_loss, needs_batched=True))
     for count in sweep:
         assert tmap is not None
         variants.append(
-            Variant(f"tmap:{count}", _tmap_loss(tmap, None, count), workers=count, settle=2)
+            Variant(f"tmap:{count}", _tmap_loss(tmap, None, count), workers=count, settle=4)
         )
     for count in sweep:
         assert tmap is not None
