@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gradmap
+from gradmap._remote import _kept
 from gradmap._remote._kept import ItemsCache, items_cache
 
 import support
@@ -186,6 +187,30 @@ def test_a_chunk_found_by_ids_is_checked_value_by_value(before: Any, after: Any)
     assert cache.lookup([(t, before)])[0] is None  # other ids: not found either
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["memcmp", "copy"])
+def test_every_byte_of_a_kept_chunk_is_compared(monkeypatch: Any, in_place: bool) -> None:
+    """NOTE [kept items compared in place]: a change to any byte of any tensor of a kept chunk,
+    made without a version bump, sends the chunk anew; put back, the chunk is found again."""
+    if not in_place:
+        monkeypatch.setattr(_kept, "_memcmp", None)
+    cache = ItemsCache()
+    chunk = [
+        (torch.arange(6.0).reshape(2, 3), 1),
+        (torch.arange(5, dtype=torch.int64), torch.ones(0)),
+        (torch.tensor(3.5, dtype=torch.float64),),
+    ]
+    assert cache.keep(cache.lookup(chunk)[1], b"payload") is not None
+    assert cache.lookup(chunk)[0] is not None
+    for t in (chunk[0][0], chunk[1][0], chunk[2][0]):
+        flat = t.data.view(-1)
+        for i in (0, flat.numel() - 1):
+            old = flat[i].item()
+            flat[i] = old + 1  # (``.data``: no version bump)
+            assert cache.lookup(chunk)[0] is None, (t, i)
+            flat[i] = old
+            assert cache.lookup(chunk)[0] is not None, (t, i)
+
+
 # -- NOTE [kept items cross to a worker process once] ---------------------------------------------
 
 
@@ -230,8 +255,6 @@ def test_the_caller_s_account_keeps_step_with_the_worker(
     # other side (the worker's side is what unpickling the message does), with its payload.
     import pickle
     import random
-
-    from gradmap._remote import _kept
 
     budget = 5000
     monkeypatch.setattr(_kept, "held_payloads", _kept.HeldPayloads(budget))
