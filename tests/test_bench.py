@@ -164,6 +164,46 @@ def test_list_and_unknown_names(capsys):
         main(["--variants", "tmap"])  # no baseline loop
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--executor", "bogus"],
+        ["--tol", "-1"],
+        ["--tol", "nan"],
+        ["--reps", "0"],
+    ],
+)
+def test_bad_options_are_usage_errors(args, capsys):
+    """Options out of range stop at the parser, with its usage line, not a traceback later."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(args)
+    assert excinfo.value.code == 2
+    assert "usage: gradmap bench" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args", [["demo", "--trees", "0"], ["demo", "--reps", "0"], ["build", "-x"]]
+)
+def test_gradmap_command_usage_errors(args, capsys):
+    from gradmap._cli import main as gradmap_main
+
+    try:
+        status = gradmap_main(args)
+    except SystemExit as exc:
+        status = exc.code
+    assert status == 2
+    assert "usage: gradmap" in capsys.readouterr().err
+
+
+def test_gradmap_build_help_builds_nothing(capsys, monkeypatch):
+    from gradmap._cli import main as gradmap_main
+    from gradmap._torch import _native
+
+    monkeypatch.setattr(_native, "build", lambda: pytest.fail("gradmap build --help built"))
+    assert gradmap_main(["build", "--help"]) == 0
+    assert "usage: gradmap build" in capsys.readouterr().out
+
+
 def test_grad_difference():
     a = [torch.tensor([1.0, -2.0]), None]
     assert grad_difference(a, [torch.tensor([1.0, -2.0]), None]) == (0.0, 0.0)

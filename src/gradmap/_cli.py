@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(jax_main(rest) or 0)
     if command == "build":
+        if rest:
+            print(
+                "usage: gradmap build\n\n  Build the native graph walk now and print where it is "
+                "cached (else the first map\n  builds it, about 20 s). It takes no options.",
+                file=sys.stdout if rest[0] in ("-h", "--help") else sys.stderr,
+            )
+            return 0 if rest[0] in ("-h", "--help") else 2
         from ._torch._native import build
 
         print(f"gradmap: native graph walk ready: {build()}")

@@ -20,6 +20,7 @@ import torch
 import gradmap
 
 from ._executors import available_cores
+from .bench.cli import _positive
 from .bench.workloads import Tree
 
 __all__ = ["main"]
@@ -52,8 +53,10 @@ def _timed(
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0 when every map's gradients match the loop's."""
     parser = argparse.ArgumentParser(prog="gradmap demo", description=__doc__)
-    parser.add_argument("--trees", type=int, default=256, help="number of trees (default 256)")
-    parser.add_argument("--reps", type=int, default=5, help="repetitions, median (default 5)")
+    parser.add_argument(
+        "--trees", type=_positive, default=256, help="number of trees (default 256)"
+    )
+    parser.add_argument("--reps", type=_positive, default=5, help="repetitions, median (default 5)")
     args = parser.parse_args(argv)
 
     work = Tree.make(seed=0, n=args.trees)

@@ -48,6 +48,14 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _tolerance(text: str) -> float:
+    """Parse a non-negative relative tolerance."""
+    value = float(text)
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``gradmap bench``."""
     workloads = "\n".join(
@@ -87,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--executor",
         default=None,
-        help="executor of the tmap and remat variants: threads (default) or ray",
+        choices=("threads", "serial", "processes", "ray"),
+        help="executor of the tmap, tsum and remat variants: threads (default), serial, "
+        "processes or ray",
     )
     parser.add_argument(
         "--workers",
@@ -106,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of data and models")
     parser.add_argument(
         "--tol",
-        type=float,
+        type=_tolerance,
         default=1e-4,
         help="largest relative gradient difference from the loop (default 1e-4)",
     )
