@@ -291,6 +291,29 @@ def test_results_that_require_grad_for_some_elements_only(executor):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_bool_results_are_counted_as_the_loops_sum_counts_them(tmap_kwargs, grad):
+    """``sum`` starts from 0, and ``0 + tensor(True)`` is an integer: the loop counts true
+    values, where ``True + True`` alone is ``True``."""
+    p = torch.randn(3, dtype=F64, requires_grad=True)
+    xs = [torch.tensor([float(i % 3 - 1), 1.0, -2.0], dtype=F64) for i in range(7)]
+
+    def f(x):
+        return {"hit": x > 0, "any": (x[0] > 0), "loss": (x * p).sum()}
+
+    with torch.set_grad_enabled(grad):
+        got = gradmap.tsum(f, xs, **tmap_kwargs)
+        each = [f(x) for x in xs]
+        want = {key: sum(y[key] for y in each) for key in each[0]}  # leaf by leaf, as tsum
+    for key in ("hit", "any", "loss"):
+        assert got[key].dtype == want[key].dtype, key
+        torch.testing.assert_close(got[key], want[key])
+    if grad:
+        close(torch.autograd.grad(got["loss"], p), torch.autograd.grad(want["loss"], p))
+    one = gradmap.tsum(lambda x: x[0] > 0, xs[:1], **tmap_kwargs)
+    assert one.dtype == torch.int64 and int(one) == 0
+
+
 def test_a_leaf_that_requires_grad_in_no_element_is_summed_as_a_constant():
     a, b = torch.randn(3, dtype=F64, requires_grad=True), torch.randn(3, dtype=F64)
     total = gradmap.tsum(lambda x: x.sum(), [a, b, a * 2, b])

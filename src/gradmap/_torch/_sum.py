@@ -213,7 +213,10 @@ def sum_results(
                     "element 0's; every element must return the same structure (a tensor, or a "
                     "pytree of tensors) to be summed"
                 )
-            partial = more if partial is None else _add(partial, more, (lo, hi), (first, lo - 1))
+            if partial is None:
+                partial = _started(more)
+            else:
+                partial = _add(partial, more, (lo, hi), (first, lo - 1))
             i += 1
         assert partial is not None
         lo = spans[start][0] if spans is not None else start
@@ -243,7 +246,7 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
                     if totals is not None:
                         totals = _add(totals, [y], (i, i), (r.indices[0], i - 1))
                     else:
-                        totals = [y.detach()]
+                        totals = _started([y.detach()])
             partial.append(totals)
             continue
         for el in r.elements:
@@ -261,7 +264,7 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
                 before = (r.elements[0].index, el.index - 1)
                 totals = _add(totals, values, (el.index, el.index), before)
             else:
-                totals = values
+                totals = _started(values)
         partial.append(totals)
     sums = partial[0]
     for r, more in zip(records[1:], partial[1:]):
@@ -277,6 +280,15 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
     else:
         call.free()
     return unflatten(sums, spec)
+
+
+def _started(values: list[Any]) -> list[Any]:
+    """The first term of a sum, as the loop's ``sum`` starts it: ``0 + value``, which only
+    changes a bool tensor (to the default integer dtype: ``sum`` counts the true values, where
+    ``True + True`` is ``True``)."""
+    if any(isinstance(v, Tensor) and v.dtype == torch.bool for v in values):
+        return [0 + v if isinstance(v, Tensor) and v.dtype == torch.bool else v for v in values]
+    return values
 
 
 def _add(
