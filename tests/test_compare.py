@@ -57,6 +57,33 @@ def test_compare_reports_a_failing_candidate_and_wrong_gradients(monkeypatch):
     monkeypatch.setattr(compare_module, "_difference", real)
 
 
+def test_compare_takes_one_executor_name_and_leaves_the_generator_as_it_was():
+    _, bags, f = _setup()
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    report = gradmap.compare(f, bags, executors="serial", reps=1)  # a name, not its letters
+    assert [row.name for row in report.rows if not row.name.startswith("loop")] == [
+        "tmap(executor='serial')"
+    ]
+    assert all(row.error is None for row in report.rows)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_compare_does_not_call_other_random_draws_wrong_gradients():
+    """Dropout in f: a map draws per element, the loop from one stream; their gradients differ
+    by design, which the report says, rather than calling them wrong."""
+    model, bags, _ = _setup()
+    drop = torch.nn.Dropout(0.5)
+
+    def f(bag):
+        return drop(model(bag)).mean()
+
+    report = gradmap.compare(f, bags, executors=("serial",), reps=1)
+    assert not any("differ" in note for note in report.notes)
+    assert any("random numbers" in note for note in report.notes)
+    assert all(row.grad_error is None for row in report.rows)
+
+
 def test_compare_bad_input():
     _, bags, f = _setup()
     with pytest.raises(ValueError, match="no elements"):
