@@ -300,6 +300,36 @@ def test_no_grad_and_default_dtype_reach_workers(remote, ex, api):
     remote.no_state_left()
 
 
+def test_anomaly_mode_and_deterministic_algorithms_reach_workers(remote, ex):
+    """Process-wide settings, as the loop runs ``f`` under them: anomaly mode (a NaN in the
+    backward raises, naming the node) and ``use_deterministic_algorithms``; the workers' own
+    settings are back afterwards."""
+
+    def flags(i: int) -> tuple[bool, bool, bool]:
+        return (
+            torch.is_anomaly_enabled(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with torch.autograd.set_detect_anomaly(True):
+            assert (
+                gradmap.tmap(flags, range(6), executor=ex, chunksize=1) == [(True, True, True)] * 6
+            )
+            w = torch.ones(3, requires_grad=True)
+            xs = [torch.zeros(3) for _ in range(6)]
+            with pytest.raises(RuntimeError, match="returned nan values"):
+                gradmap.tsum(
+                    lambda x: (x * w).sqrt().sum() * 0.0, xs, executor=ex, chunksize=1
+                ).backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert gradmap.tmap(flags, range(6), executor=ex, chunksize=1) == [(False, False, False)] * 6
+    remote.no_state_left()
+
+
 def test_a_result_that_requires_grad_under_no_grad_is_refused(remote, ex):
     """An f that turns grad mode on inside a no_grad map returns, in the loop, results with their
     graph; from another process they would come back without it, their gradients lost: an error

@@ -117,6 +117,9 @@ class CallSpec:
         forward_state: the caller's grad mode, inference mode and autocast.
         default_dtype: the caller's ``torch.get_default_dtype()`` (process-wide: it does not
             travel by itself).
+        anomaly: the caller's anomaly mode, ``(enabled, check_nan)`` (process-wide too).
+        deterministic: the caller's ``torch.use_deterministic_algorithms`` setting,
+            ``(mode, warn_only)`` (process-wide too).
         graph: record graphs (grad mode on, not inference).
         remat: keep no graph in the forward.
         api: ``"gradmap.tmap"`` or ``"gradmap.tsum"``, for errors.
@@ -132,22 +135,55 @@ class CallSpec:
     remat: bool
     api: str = "gradmap.tmap"
     settings: tuple[Setting, ...] = ()
+    anomaly: tuple[bool, bool] = (False, True)
+    deterministic: tuple[bool, bool] = (False, False)
 
 
-def _default_dtype(dtype: torch.dtype) -> AbstractContextManager[None]:
-    if torch.get_default_dtype() == dtype:
+def process_wide() -> dict[str, Any]:
+    """The caller's process-wide PyTorch settings that a worker process takes for a call: the
+    default dtype, anomaly mode, deterministic algorithms (``CallSpec``'s fields)."""
+    return {
+        "default_dtype": torch.get_default_dtype(),
+        "anomaly": _anomaly(),
+        "deterministic": _deterministic(),
+    }
+
+
+def _anomaly() -> tuple[bool, bool]:
+    return torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+
+
+def _process_wide(spec: CallSpec) -> AbstractContextManager[None]:
+    """Within it, the process runs with ``spec``'s process-wide settings (the caller's: in the
+    caller's own process, they are already)."""
+    if (
+        torch.get_default_dtype() == spec.default_dtype
+        and _anomaly() == spec.anomaly
+        and _deterministic() == spec.deterministic
+    ):
         return nullcontext()
-    return _set_default_dtype(dtype)
+    return _set_process_wide(spec)
 
 
 @contextmanager
-def _set_default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _set_process_wide(spec: CallSpec) -> Iterator[None]:
+    dtype, anomaly, deterministic = torch.get_default_dtype(), _anomaly(), _deterministic()
+    torch.set_default_dtype(spec.default_dtype)
+    torch.set_anomaly_enabled(*spec.anomaly)
+    torch.use_deterministic_algorithms(spec.deterministic[0], warn_only=spec.deterministic[1])
     try:
         yield
     finally:
-        torch.set_default_dtype(previous)
+        torch.set_default_dtype(dtype)
+        torch.set_anomaly_enabled(*anomaly)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 class _Window(Sequence[Any]):
@@ -339,7 +375,7 @@ class Host:
         with self._loading():
             local = cast(list, self._items.load(items, state.leaves))
         if not spec.graph:  # seeded per element as with a graph: the same draws either way
-            with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+            with spec.forward_state.enter(False), _process_wide(spec):
                 plain = _run(state, start, local, graph=False)
             results = list(plain.plain_results())
             if spec.api == "gradmap.tmap":  # a sum made with grad mode off has no graph either
@@ -349,7 +385,7 @@ class Host:
             if not self._process:  # as pickling would: no leaf of this host reaches the caller
                 results = [_detached_all(y) for y in results]
             return self._out((self._handed_out(results), None, [], state.seed.drawn))
-        with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+        with spec.forward_state.enter(False), _process_wide(spec):
             record = _run(state, start, local)
         if spec.remat:
             record.drop_graph()
@@ -380,7 +416,7 @@ class Host:
                     continue
                 self._check_threads()
                 cots = tuple(_cotangents(cotangents, state.leaves))
-                with backward_state.enter(False), _default_dtype(state.spec.default_dtype):
+                with backward_state.enter(False), _process_wide(state.spec):
                     grads = _pull_back(kept.chunk, cots, state)
                 if not keep:
                     del state.chunks[k]
@@ -411,7 +447,7 @@ class Host:
             return self._forward(state, k, start, items)
         with self._loading():
             local = cast(list, self._items.load(items, state.leaves))
-        with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+        with spec.forward_state.enter(False), _process_wide(spec):
             record = _run(state, start, local)
             if record.boundary.user:  # NOTE [chunks whose backward is user code] (``_graph``)
                 losses = False
@@ -495,7 +531,7 @@ class Host:
         with self._loading():
             local = cast(list, self._items.load(items, state.leaves))
         cots = _cotangents(cotangents, state.leaves)
-        with spec.forward_state.enter(False), _default_dtype(spec.default_dtype):
+        with spec.forward_state.enter(False), _process_wide(spec):
             fresh = _run(state, start, local)
         pids = _pids(state, fresh)
         # The cotangent of each fresh join output, found by (element, leaf position).
@@ -508,7 +544,7 @@ class Host:
         aligned = tuple(
             given.get((e, pos)) for e, el in enumerate(fresh.elements) for pos in el.diff
         )
-        with backward_state.enter(False), _default_dtype(spec.default_dtype):
+        with backward_state.enter(False), _process_wide(spec):
             grads = _pull_back(fresh, aligned, state)
         return self._out(_by_pid(pids, grads))
 

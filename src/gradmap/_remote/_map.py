@@ -75,7 +75,7 @@ from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
 from .._torch._sum import sum_results, unscaled
 from .._tree import flatten, unflatten
-from ._host import CallSpec, draw_base, in_worker
+from ._host import CallSpec, draw_base, in_worker, process_wide
 from ._kept import KeptItems, items_cache
 from ._pickling import AsIs, LeafResult, TensorTable, dumps, dumps_results, loads_results
 from ._schedule import Job, Transport, run_pass
@@ -359,11 +359,11 @@ def map_remote(request: MapRequest) -> Any:
         n=plan.n,
         seed_base=draw_base(),
         forward_state=ThreadState(),
-        default_dtype=torch.get_default_dtype(),
         graph=graph,
         remat=remat,
         api=api,
         settings=settings_of(f),
+        **process_wide(),
     )
     table = TensorTable(executor.share)
     name = f"{api}(executor={transport.name!r})"
