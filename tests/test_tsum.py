@@ -314,6 +314,13 @@ def test_bool_results_are_counted_as_the_loops_sum_counts_them(tmap_kwargs, grad
     assert one.dtype == torch.int64 and int(one) == 0
 
 
+def test_results_that_do_not_add_are_a_type_error_naming_the_elements(tmap_kwargs):
+    with pytest.raises(TypeError, match=r"gradmap.tsum: the result of element 1, a NoneType"):
+        gradmap.tsum(lambda x: None, range(4), **{**tmap_kwargs, "chunksize": 4})
+    with pytest.raises(TypeError, match=r"leaf 1 of the result's pytree"):
+        gradmap.tsum(lambda x: (torch.tensor(1.0), None), range(4), **tmap_kwargs)
+
+
 def test_a_leaf_that_requires_grad_in_no_element_is_summed_as_a_constant():
     a, b = torch.randn(3, dtype=F64, requires_grad=True), torch.randn(3, dtype=F64)
     total = gradmap.tsum(lambda x: x.sum(), [a, b, a * 2, b])
