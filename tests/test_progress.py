@@ -42,6 +42,9 @@ class Counter:
     def update(self, n):
         self.calls.append(n)
 
+    def close(self):
+        pass
+
 
 @pytest.mark.parametrize("executor", ["serial", "threads"])
 def test_progress_instance_counts_every_element_once_per_pass(executor):
@@ -49,6 +52,25 @@ def test_progress_instance_counts_every_element_once_per_pass(executor):
     _map_and_backward(progress=bar, executor=executor)
     assert sum(bar.calls) == 80  # 40 forward + 40 backward
     assert len(bar.calls) == 20  # once per chunk: 10 chunks per pass
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum", "tmap, one result"])
+@pytest.mark.parametrize("executor", ["serial", "threads", "processes"])
+def test_every_backward_bar_ends_full(executor, api):
+    """A tsum's chunks pulled back in its forward, and elements a backward has nothing to pull
+    back for, count as done: the bar ends at every element (on processes it stayed at 0 for a
+    tsum, and at one element for the backward of one result)."""
+    forward, backward = Counter(), Counter()
+    bars = iter([forward, backward])
+    w = torch.randn(3, requires_grad=True)
+    xs = torch.randn(12, 3)
+    kwargs = {"chunksize": 4, "executor": executor, "progress": lambda **_: next(bars)}
+    if api == "tsum":
+        gradmap.tsum(lambda x: (x * w).sum(), xs, **kwargs).backward()
+    else:
+        ys = gradmap.tmap(lambda x: (x * w).sum(), xs, **kwargs)
+        (ys[5] if api == "tmap, one result" else torch.stack(ys).sum()).backward()
+    assert sum(forward.calls) == 12 and sum(backward.calls) == 12
 
 
 def test_no_output_without_progress(capsys):

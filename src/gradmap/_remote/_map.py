@@ -282,6 +282,13 @@ class _Driver(JoinGraph):
                 payloads[k] = list(cotangents[lo:hi])
                 jobs.append(Job(k, None if self.remat else record.owner, recompute=self.remat))
         bar = open_progress(self.progress, "backward", plan.n, self.api)
+        if bar is not None:
+            # Pulled back already (a tsum's chunks of losses) or with nothing to pull back: done
+            # now, as on threads, so that the bar ends full.
+            waiting = {j.chunk for j in jobs}
+            done = sum(len(range(*plan.bounds(k))) for k in range(plan.count) if k not in waiting)
+            if done:
+                bar.update(done)
 
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
             if recompute:
