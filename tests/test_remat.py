@@ -267,3 +267,20 @@ def test_remat_refuses_an_f_that_changes_its_items_in_place(tmap_kwargs, api):
     with pytest.raises(RuntimeError, match="changed in place a tensor it was given"):
         loss.backward()
     torch.testing.assert_close(xs, after)
+
+
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_sparse_results_through_a_recompute(tmap_kwargs, how):
+    """The recompute compares its results with the forward's: sparse ones too (``torch.equal``
+    takes strided tensors only: the backward raised)."""
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (w @ x).to_sparse()
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+    want = torch.autograd.grad(sum(torch.sparse.sum(f(x)) for x in xs), w)[0]
+    ys = gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs)
+    loss = sum(torch.sparse.sum(y) for y in ys)
+    got = torch.autograd.grad(loss, w, create_graph=how == "create_graph")[0]
+    torch.testing.assert_close(got, want)

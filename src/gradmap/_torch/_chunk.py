@@ -710,8 +710,7 @@ def _pull_back_fresh(
                 a, b = fresh.outputs[o_new], record.outputs[o]
                 if a._version != b._version:
                     continue  # the user changed the result in place since: not comparable
-                a, b = a.detach(), b.detach()
-                if not (a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num())):
+                if not _equal_values(a.detach(), b.detach()):
                     return False
         return len(fresh.elements) == len(which)
 
@@ -805,6 +804,16 @@ def _made_anew(t: Tensor, fresh: ChunkRecord, record: ChunkRecord, api: str) -> 
                     return k
             _not_deterministic(api)
     return None
+
+
+def _equal_values(a: Tensor, b: Tensor) -> bool:
+    """Whether two results of one element hold the same values (NaN equal to NaN), whatever
+    their layout (sparse results compared dense: ``torch.equal`` takes strided tensors only)."""
+    if a.shape != b.shape or a.layout != b.layout or a.dtype != b.dtype:
+        return False
+    if a.layout != torch.strided:
+        a, b = a.to_dense(), b.to_dense()
+    return torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def _not_deterministic(api: str) -> NoReturn:
