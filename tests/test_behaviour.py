@@ -873,6 +873,29 @@ def test_results_viewing_a_tensor_made_before_refuse_in_place_changes(tmap_kwarg
     assert_grads_equal(own(tm), own(loop))
 
 
+@pytest.mark.parametrize("returns", ["two views", "tensor and view"])
+def test_results_sharing_memory_refuse_in_place_changes(tmap_kwargs, returns):
+    """Two results of one element that share memory (``y[:2], y[1:]``; ``y, y[0]``): in the loop
+    a change to one reaches the other's graph; the join's aliases would share the memory, not
+    the view, and the other's gradient came out wrong without a word. The change raises; the
+    results, used as they are, give the loop's gradients."""
+
+    def f(x: Tensor) -> tuple[Tensor, Tensor]:
+        y = x * 1.0
+        return (y[:2], y[1:]) if returns == "two views" else (y, y[0])
+
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    ((a, b),) = gradmap.tmap(f, [x], **tmap_kwargs)
+    with pytest.raises(RuntimeError, match="is being modified inplace"):
+        a.mul_(10)
+    with pytest.raises(RuntimeError, match="is being modified inplace"):
+        b.mul_(10)
+    ((a, b),) = gradmap.tmap(f, [x], **tmap_kwargs)
+    ((c, d),) = loop(f, [x])
+    got = torch.autograd.grad(a.sum() + 2 * b.sum(), x)
+    torch.testing.assert_close(got, torch.autograd.grad(c.sum() + 2 * d.sum(), x))
+
+
 @pytest.mark.parametrize("how", ["is_grads_batched", "jacobian", "hessian", "torch.vmap"])
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_batched_backward_matches_loop(tmap_kwargs, how, api):

@@ -312,7 +312,8 @@ def run_forward(
 
 def _views_from_before(outputs: list[Tensor], lo: int, hi: int) -> list[int] | None:
     """The positions of the outputs that are views of a tensor made before the chunk (a leaf,
-    or a tensor whose node is numbered outside the chunk's range ``lo..hi-1``).
+    or a tensor whose node is numbered outside the chunk's range ``lo..hi-1``), and of the
+    outputs that share memory as views of one tensor (or as a tensor and its view).
 
     NOTE [results that view a tensor made before the map]:
         ``f`` may return a view of its item or of a tensor it reads (``x[0]``, ``y.view(-1)``).
@@ -326,19 +327,33 @@ def _views_from_before(outputs: list[Tensor], lo: int, hi: int) -> list[int] | N
         naming it. Views of the chunk's own tensors stay plain aliases: their regenerated node
         stays inside the chunk. (A node made in another thread can be numbered inside the range:
         then the result is taken for the chunk's own, as before.)
+
+        Except where two results share memory: ``f`` returns ``y[:2], y[1:]`` (or ``y`` and
+        ``y[0]``). In the loop they are views of one tensor, and an in-place change to one
+        reaches the other's graph; the join's aliases share the memory but not the view, so
+        the other result's values changed while its gradient did not (silently wrong). They
+        are handed out as views too: the change raises, and ``clone()`` is the fix.
     """
     if not any(map(Tensor._is_view, outputs)):
         return None  # (the common case, in one pass without a Python frame per output)
-    views = None
+    flagged: set[int] = set()
+    by_base: dict[int, list[int]] = {}
     for i, t in enumerate(outputs):
         if t._is_view():
             base = t._base
             node = None if base is None else base.grad_fn
             if node is None or not lo <= node._sequence_nr() < hi:
-                if views is None:
-                    views = []
-                views.append(i)
-    return views
+                flagged.add(i)
+            else:
+                by_base.setdefault(id(base), []).append(i)
+    if by_base:
+        position = {id(t): i for i, t in enumerate(outputs)}
+        for key, group in by_base.items():
+            if len(group) > 1 or key in position:
+                flagged.update(group)
+                if key in position:
+                    flagged.add(position[key])
+    return sorted(flagged) or None
 
 
 #: What ``pull_back`` returns for a chunk that can only be pulled back as a plain ``backward()``
