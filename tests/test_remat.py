@@ -284,3 +284,39 @@ def test_sparse_results_through_a_recompute(tmap_kwargs, how):
     loss = sum(torch.sparse.sum(y) for y in ys)
     got = torch.autograd.grad(loss, w, create_graph=how == "create_graph")[0]
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("uses", ["module", "global"])
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_an_f_that_writes_grad_itself_is_not_run_again(tmap_kwargs, how, uses):
+    """f takes a step's backward itself (``loss.backward(retain_graph=True)``): running it
+    again in a recompute would add to ``.grad`` twice. A recompute refuses it, naming the fix,
+    before anything is added; a tsum whose chunks were pulled back in its forward recomputes
+    nothing and gets the loop's gradient."""
+    model = nn.Linear(3, 1).double()
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum() if uses == "module" else (w * x).sin().sum()
+        loss.backward(retain_graph=True)
+        return loss
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    leaves = list(model.parameters()) if uses == "module" else [w]
+    if how == "remat" or uses == "module":
+        ys = gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs)
+        written = [p.grad.clone() for p in leaves]
+        with pytest.raises(RuntimeError, match=r"writes no \.grad"):
+            torch.stack(ys).sum().backward(create_graph=how == "create_graph")
+        for p, g in zip(leaves, written):
+            torch.testing.assert_close(p.grad, g)  # nothing added
+    if how == "remat":
+        for p in leaves:
+            p.grad = None
+        gradmap.tsum(f, xs, remat=True, **tmap_kwargs).backward()
+        got = [p.grad for p in leaves]
+        for p in leaves:
+            p.grad = None
+        sum(f(x) for x in xs).backward()
+        for a, b in zip(got, [p.grad for p in leaves]):
+            torch.testing.assert_close(a, b)

@@ -16,7 +16,7 @@ from .._placement import Placement, placement_for
 from .._progress import open_progress
 from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
-from ._graph import Known, check_versions, versions_used
+from ._graph import Known, check_versions, modules_of, versions_used
 from ._native import native
 from ._random import MapRandom, moved_by
 from ._state import ThreadState
@@ -41,6 +41,9 @@ class MapCall:
         #: NOTE [a recompute reads what the forward read] (``_graph``): after a remat forward.
         self.versions: list[tuple[torch.Tensor, int]] | None = None
         self.changed: torch.Tensor | None = None  # one the remat forward changed in place
+        #: The ``.grad`` of the leaves ``f`` uses before a remat forward, and one it changed.
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        self.grad_written: torch.Tensor | None = None
         self.progress = request.progress
         self.api = api = request.api
         self.n = len(elements)
@@ -134,20 +137,34 @@ class MapCall:
         return records
 
     def versions_before(self, with_graph: bool) -> None:
-        """Before a ``remat`` forward: the versions of what it reads, to tell what it changes."""
-        if self.remat and with_graph and self.f is not None and self.elements is not None:
-            self.versions = versions_used(self.f, self.elements)
+        """Before a forward with a graph: under ``remat``, the versions of what it reads, to
+        tell what it changes; and the ``.grad`` of the leaves ``f`` uses (a recompute, under
+        ``remat`` or ``create_graph``, must not run an ``f`` that writes them)."""
+        if with_graph and self.f is not None and self.elements is not None:
+            if self.remat:
+                self.versions = versions_used(self.f, self.elements)
+            self.grads = _grads(self.f, self.versions or [])
 
     def note_versions(self, with_graph: bool) -> None:
-        """After a ``remat`` forward: the versions of what a recompute reads again (NOTE [a
-        recompute reads what the forward read] in ``_graph``), and whether the forward itself
-        changed any of it."""
-        if self.remat and with_graph and self.f is not None and self.elements is not None:
-            before = self.versions or []
-            self.changed = next((t for t, v in before if t._version != v), None)
-            self.versions = versions_used(self.f, self.elements)
+        """After a forward with a graph: under ``remat``, the versions of what a recompute
+        reads again (NOTE [a recompute reads what the forward read] in ``_graph``), and whether
+        the forward itself changed any of it; whether it wrote the ``.grad`` of a leaf."""
+        if with_graph and self.f is not None and self.elements is not None:
+            if self.remat:
+                before = self.versions or []
+                self.changed = next((t for t, v in before if t._version != v), None)
+                self.versions = versions_used(self.f, self.elements)
+            self.grad_written = next(
+                (
+                    t
+                    for t, g, v in self.grads
+                    if t.grad is not g or (g is not None and g._version != v)
+                ),
+                None,
+            )
+            self.grads = []
 
-    def check_versions(self) -> None:
+    def check_versions(self, recomputes: bool = True) -> None:
         """Before a ``remat`` backward's recomputes: raise where what they read changed, or
         where the forward changed what it was given (the recompute would change it again)."""
         if self.changed is not None:
@@ -156,6 +173,15 @@ class MapCall:
                 f"changed in place a tensor it was given (shape {tuple(self.changed.shape)}): "
                 "the recompute would change it a second time, where the loop changes it once. "
                 "Let f change a copy (x = x.clone()), or use remat=False."
+            )
+        if self.grad_written is not None and recomputes:
+            raise RuntimeError(
+                f"{self.api}: f runs again in this backward (remat=True, or a backward with "
+                "create_graph=True), and its forward changed the .grad of a tensor it uses "
+                f"(shape {tuple(self.grad_written.shape)}): f calls backward() (or writes "
+                ".grad) itself, and running it again would add to .grad a second time, where "
+                "the loop adds once. Take the gradient inside f with torch.autograd.grad (it "
+                "writes no .grad), or use remat=False and no create_graph."
             )
         if self.versions:
             check_versions(self.versions, self.api)
@@ -198,3 +224,18 @@ class MapCall:
         self.known = None
         self.versions = None
         self.changed = None
+
+
+def _grads(
+    f: Any, used: list[tuple[torch.Tensor, int]]
+) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+    """The leaves requiring grad that ``f`` uses (its modules' parameters, the other tensors it
+    and the items hold), each with its ``.grad`` and that gradient's version now: what a
+    forward that writes ``.grad`` itself changes."""
+    leaves: list[torch.Tensor] = [p for m in modules_of(f) for p in m.parameters()]
+    leaves += [t for t, _ in used if t.is_leaf and t.requires_grad]
+    out = []
+    for t in leaves:
+        g = t.grad
+        out.append((t, g, -1 if g is None else g._version))
+    return out

@@ -380,8 +380,11 @@ class _SumGraph(MapGraph):
             # Early chunks' graphs are gone; others are kept unless remat dropped them.
             return create_graph or self.early[k] is not None or not records[k].stored
 
-        if call.remat:
-            call.check_versions()  # NOTE [a recompute reads what the forward read] (``_graph``)
+        if call.remat or create_graph:  # NOTE [a recompute reads what the forward read]
+            runs_f = create_graph or any(
+                self.early[k] is None and not r.stored for k, r in enumerate(records)
+            )
+            call.check_versions(runs_f)
         wanted = self.wanted(ctx)
         c = cotangents[0]
         as_is = c is not None and unscaled(c, not free_graph)
