@@ -767,6 +767,35 @@ def test_worker_killed_between_forward_and_backward_tsum_vectors(ex):
     assert victim not in _pids(ex)
 
 
+def _sleepy(x: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 100:
+        time.sleep(60)  # an f stuck on one element
+    return x.sum() * 2
+
+
+@support.deadline(90)
+def test_a_map_that_times_out_stops_its_stuck_worker():
+    """``timeout``: a map in which no chunk finishes in time raises ``TimeoutError`` and stops
+    the workers still running ``f``; the next map runs at once on new ones (it waited behind
+    the stuck call, and timed out again, until ``f`` returned)."""
+    own = gradmap.ProcessExecutor(workers=1, caller_helps=False, timeout=2)
+    try:
+        xs = [torch.ones(3) for _ in range(4)]
+        gradmap.tmap(_sleepy, xs, executor=own)  # the worker is up
+        (stuck,) = own.worker_pids()
+        bad = list(xs)
+        bad[2] = torch.full((3,), 100.0)
+        with pytest.raises(TimeoutError, match="stopped"):
+            gradmap.tmap(_sleepy, bad, executor=own)
+        start = time.monotonic()
+        close(gradmap.tmap(_sleepy, xs, executor=own), loop(_sleepy, xs))
+        assert time.monotonic() - start < 30
+        assert stuck not in own.worker_pids()
+        assert _state(stuck) in (None, "Z", "X")
+    finally:
+        own.shutdown()
+
+
 def test_workers_outlive_the_thread_that_started_them(ex):
     # A map called from a thread (a data loader's, a server's) starts the workers there; they
     # must not die when that thread exits (Linux's parent-death signal follows the thread).

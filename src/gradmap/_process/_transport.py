@@ -223,6 +223,14 @@ class ProcessTransport(Transport):
     def cancel(self, handle: Any) -> None:
         handle.cancelled = True
 
+    def abandon(self, worker: int) -> None:
+        if worker == self._remote:
+            return  # the caller: its calls run in this thread, never left in flight
+        w = self._workers[worker]
+        with w.lock:
+            if w.alive:
+                w.died()  # killed; the pool starts another when it is next called
+
     def call_all(self, method: str, *args: Any) -> list[Any]:
         """``method(*args)`` on every worker process; the values, in worker order."""
         handles = [self.call(index, method, *args) for index in range(self._remote)]

@@ -92,6 +92,10 @@ class Transport:
     def cancel(self, handle: Any) -> None:
         """Forget a call (its value, if it comes, is dropped)."""
 
+    def abandon(self, worker: int) -> None:
+        """Stop a worker whose calls did not end in time (a pass's ``timeout``): its calls
+        would hold up every later call to it. A worker that cannot be stopped is left."""
+
     def box(self, payload: bytes) -> Any:
         """What a call passes for a payload every chunk of a map shares (``f``)."""
         return payload
@@ -251,7 +255,8 @@ def run_pass(
             if timeout is not None and working() and now - last > timeout:
                 raise TimeoutError(
                     f"gradmap: no chunk finished on the workers ({name}) in {timeout} s "
-                    f"({working()} in flight)"
+                    f"({working()} in flight); the workers running them are stopped (new ones "
+                    "start at the next map)"
                 )
             wait = 1.0 if not probe_at else max(0.0, min(1.0, min(probe_at.values()) - now))
             if not inflight:
@@ -288,10 +293,16 @@ def run_pass(
                         requeue(job)
                     else:
                         on_result(job.chunk, actor, value)
-    except BaseException:
+    except BaseException as exc:
         for ref in inflight:
             with contextlib.suppress(Exception):  # a call that cannot be cancelled runs out
                 transport.cancel(ref)
+        if isinstance(exc, TimeoutError):
+            # The calls still in flight are stuck in ``f``: behind them, every later call to
+            # their workers would wait too (later maps timed out or hung until ``f`` returned).
+            for actor in sorted({a for _, a in inflight.values()}):
+                with contextlib.suppress(Exception):
+                    transport.abandon(actor)
         raise
     if failures:
         raise failures[min(failures)]
