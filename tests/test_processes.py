@@ -796,6 +796,15 @@ def test_a_map_that_times_out_stops_its_stuck_worker():
         own.shutdown()
 
 
+def test_an_executor_in_a_with_block_stops_its_workers_at_its_end():
+    with gradmap.ProcessExecutor(workers=1, caller_helps=False, timeout=120) as own:
+        got = gradmap.tmap(lambda x: x * 2, torch.ones(3, 2), executor=own)
+        pids = own.worker_pids()
+    close(got, [torch.full((2,), 2.0)] * 3)
+    time.sleep(0.5)
+    assert all(_state(pid) in (None, "Z", "X") for pid in pids)
+
+
 def test_workers_outlive_the_thread_that_started_them(ex):
     # A map called from a thread (a data loader's, a server's) starts the workers there; they
     # must not die when that thread exits (Linux's parent-death signal follows the thread).

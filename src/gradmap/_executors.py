@@ -360,6 +360,16 @@ class RemoteExecutor(Executor):
         them if needed."""
         raise NotImplementedError
 
+    def shutdown(self) -> None:
+        """Stop the workers; the next map starts new ones."""
+
+    def __enter__(self) -> RemoteExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """``with ProcessExecutor(...) as ex:`` stops the workers at the block's end."""
+        self.shutdown()
+
 
 def _is_shut_down(executor: concurrent.futures.Executor) -> bool:
     return bool(getattr(executor, "_shutdown", False) or getattr(executor, "_broken", False))
