@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import sys
@@ -64,12 +65,15 @@ def test_every_backward_bar_ends_full(executor, api):
     bars = iter([forward, backward])
     w = torch.randn(3, requires_grad=True)
     xs = torch.randn(12, 3)
-    kwargs = {"chunksize": 4, "executor": executor, "progress": lambda **_: next(bars)}
-    if api == "tsum":
-        gradmap.tsum(lambda x: (x * w).sum(), xs, **kwargs).backward()
-    else:
-        ys = gradmap.tmap(lambda x: (x * w).sum(), xs, **kwargs)
-        (ys[5] if api == "tmap, one result" else torch.stack(ys).sum()).backward()
+    # (Processes: workers of their own, stopped after: no worker outlives the test.)
+    own = gradmap.ProcessExecutor(workers=2) if executor == "processes" else None
+    with own or contextlib.nullcontext():
+        kwargs = {"chunksize": 4, "executor": own or executor, "progress": lambda **_: next(bars)}
+        if api == "tsum":
+            gradmap.tsum(lambda x: (x * w).sum(), xs, **kwargs).backward()
+        else:
+            ys = gradmap.tmap(lambda x: (x * w).sum(), xs, **kwargs)
+            (ys[5] if api == "tmap, one result" else torch.stack(ys).sum()).backward()
     assert sum(forward.calls) == 12 and sum(backward.calls) == 12
 
 
