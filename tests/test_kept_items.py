@@ -230,7 +230,8 @@ def test_kept_items_cross_to_a_worker_once(ex: Any) -> None:
         sent.append(worker.sent_bytes - before)
     items_bytes = sum(b.x.numel() * b.x.element_size() for b in bags)
     assert sent[0] > items_bytes
-    assert sent[1] < items_bytes / 10 and sent[2] < items_bytes / 10
+    # (The calls' own messages: ~15 KB here, over 64 chunks; the items again would be 150 KB.)
+    assert sent[1] < items_bytes / 5 and sent[2] < items_bytes / 5
     kept = [entry.items.key for entry in items_cache._entries.values()]
     assert len(kept) == 64 and all(key in worker.held for key in kept)
 

@@ -135,18 +135,23 @@ class CallSpec:
     remat: bool
     api: str = "gradmap.tmap"
     settings: tuple[Setting, ...] = ()
-    anomaly: tuple[bool, bool] = (False, True)
-    deterministic: tuple[bool, bool] = (False, False)
+    anomaly: tuple[bool, bool] | None = None  # (None: off, PyTorch's default)
+    deterministic: tuple[bool, bool] | None = None  # (None: off)
 
 
 def process_wide() -> dict[str, Any]:
     """The caller's process-wide PyTorch settings that a worker process takes for a call: the
     default dtype, anomaly mode, deterministic algorithms (``CallSpec``'s fields)."""
-    return {
+    anomaly, deterministic = _anomaly(), _deterministic()
+    return {  # (the defaults as None: a call's every message carries them)
         "default_dtype": torch.get_default_dtype(),
-        "anomaly": _anomaly(),
-        "deterministic": _deterministic(),
+        "anomaly": None if anomaly == _ANOMALY_OFF else anomaly,
+        "deterministic": None if deterministic == _DETERMINISTIC_OFF else deterministic,
     }
+
+
+_ANOMALY_OFF = (False, True)
+_DETERMINISTIC_OFF = (False, False)
 
 
 def _anomaly() -> tuple[bool, bool]:
@@ -163,24 +168,29 @@ def _deterministic() -> tuple[bool, bool]:
 def _process_wide(spec: CallSpec) -> AbstractContextManager[None]:
     """Within it, the process runs with ``spec``'s process-wide settings (the caller's: in the
     caller's own process, they are already)."""
+    anomaly = spec.anomaly or _ANOMALY_OFF
+    deterministic = spec.deterministic or _DETERMINISTIC_OFF
     if (
         torch.get_default_dtype() == spec.default_dtype
-        and _anomaly() == spec.anomaly
-        and _deterministic() == spec.deterministic
+        and _anomaly() == anomaly
+        and _deterministic() == deterministic
     ):
         return nullcontext()
-    return _set_process_wide(spec)
+    return _set_process_wide(spec.default_dtype, anomaly, deterministic)
 
 
 @contextmanager
-def _set_process_wide(spec: CallSpec) -> Iterator[None]:
-    dtype, anomaly, deterministic = torch.get_default_dtype(), _anomaly(), _deterministic()
-    torch.set_default_dtype(spec.default_dtype)
-    torch.set_anomaly_enabled(*spec.anomaly)
-    torch.use_deterministic_algorithms(spec.deterministic[0], warn_only=spec.deterministic[1])
+def _set_process_wide(
+    dtype: torch.dtype, anomaly: tuple[bool, bool], deterministic: tuple[bool, bool]
+) -> Iterator[None]:
+    was = torch.get_default_dtype(), _anomaly(), _deterministic()
+    torch.set_default_dtype(dtype)
+    torch.set_anomaly_enabled(*anomaly)
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     try:
         yield
     finally:
+        dtype, anomaly, deterministic = was
         torch.set_default_dtype(dtype)
         torch.set_anomaly_enabled(*anomaly)
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
