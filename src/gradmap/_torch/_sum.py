@@ -305,16 +305,15 @@ def _add(
     for j, (a, b) in enumerate(zip(totals, values)):
         try:
             out.append(a + b)
-        except TypeError as exc:  # (None, strings with numbers, ...)
+        except (TypeError, RuntimeError) as exc:
             leaf = "" if len(totals) == 1 else f" (leaf {j} of the result's pytree)"
-            raise TypeError(
-                f"gradmap.tsum: the result of {_elements(added)}{leaf}, a "
-                f"{type(b).__name__}, does not add to the sum of {_elements(before)}, a "
-                f"{type(a).__name__} ({exc}). tsum adds the results with +, as the loop's sum "
-                "does: return tensors or numbers (or pytrees of them) from every element."
-            ) from exc
-        except RuntimeError as exc:
-            leaf = "" if len(totals) == 1 else f" (leaf {j} of the result's pytree)"
+            if isinstance(exc, TypeError):  # (None, strings with numbers, ...)
+                raise TypeError(
+                    f"gradmap.tsum: the result of {_elements(added)}{leaf}, a "
+                    f"{type(b).__name__}, does not add to the sum of {_elements(before)}, a "
+                    f"{type(a).__name__} ({exc}). tsum adds the results with +, as the loop's "
+                    "sum does: return tensors or numbers (or pytrees of them) from every element."
+                ) from exc
             raise ValueError(
                 f"gradmap.tsum: the result of {_elements(added)}{leaf}, of shape "
                 f"{_shape(b)}, does not add to the sum of {_elements(before)}, of shape "
