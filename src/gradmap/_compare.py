@@ -165,7 +165,8 @@ def compare(
             for name, run in candidates:
                 if name in failed:
                     continue
-                before = torch.default_generator.get_state() if rep == 0 else None
+                first_loop = rep == 0 and name == "loop"
+                before = torch.default_generator.get_state() if first_loop else None
                 try:
                     forward, backward, got = _timed(run, 1 if name.endswith("(1)") else None)
                 except Exception as exc:
@@ -175,7 +176,7 @@ def compare(
                     continue
                 if rep == 0:
                     grads[name] = got
-                    if name == "loop" and before is not None:
+                    if before is not None:  # (the loop's first run: did f draw?)
                         drew = not torch.equal(before, torch.default_generator.get_state())
                 else:
                     times[name].append((forward, backward))

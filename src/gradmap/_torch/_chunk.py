@@ -130,8 +130,9 @@ class ChunkRecord:
         self.outputs: list[Tensor] = []
         self.boundary: Boundary = Boundary()
         self.stored = False  # whether ``outputs`` still carry the chunk's graph
-        #: The outputs that are views of tensors made before the chunk (NOTE [results that
-        #: view a tensor made before the map]); ``None``: none.
+        #: The outputs handed out as views: views of tensors made before the chunk, and
+        #: outputs that share memory (NOTE [results that view a tensor made before the map]);
+        #: ``None``: none.
         self.views: list[int] | None = None
         #: The leaves requiring grad returned as they are (NOTE [leaves returned as they are]),
         #: by (element, position among the result's leaves); ``None``: none.
@@ -305,12 +306,12 @@ def run_forward(
     if known is not None and outputs:
         hi = sequence_nr()
         record.boundary = find_boundary(outputs, lo, hi, known)
-        record.views = _views_from_before(outputs, lo, hi)
+        record.views = _handed_out_as_views(outputs, lo, hi)
         record.stored = True
     return record
 
 
-def _views_from_before(outputs: list[Tensor], lo: int, hi: int) -> list[int] | None:
+def _handed_out_as_views(outputs: list[Tensor], lo: int, hi: int) -> list[int] | None:
     """The positions of the outputs that are views of a tensor made before the chunk (a leaf,
     or a tensor whose node is numbered outside the chunk's range ``lo..hi-1``), and of the
     outputs that share memory as views of one tensor (or as a tensor and its view).
