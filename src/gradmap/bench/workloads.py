@@ -29,7 +29,10 @@ from torch import Tensor, nn
 __all__ = [
     "WORKLOADS",
     "Bag",
+    "MessagePassing",
     "ModelWorkload",
+    "Molecule",
+    "Molecules",
     "NeuralODE",
     "ODESample",
     "Overhead",
@@ -437,6 +440,74 @@ class NeuralODE(ModelWorkload[ODESample]):
 
 
 # --------------------------------------------------------------------------------------------
+# Message passing on molecules
+
+
+class Molecule(NamedTuple):
+    """One molecule: atom types ``z`` (``(atoms,)``, int64), bonds in both directions
+    ``edges`` (``(2, 2 * bonds)``, int64) and a 0-d target ``y``."""
+
+    z: Tensor
+    edges: Tensor
+    y: Tensor
+
+
+class MessagePassing(nn.Module):
+    """Atom-type embeddings, rounds of messages (an MLP of both ends of each bond, summed at the
+    receiving atom with ``index_add``) with a GRU cell update, and a readout summed over atoms.
+
+    Arguments:
+        types: Number of atom types.
+        hidden: Width of an atom's state.
+        rounds: Rounds of message passing.
+    """
+
+    def __init__(self, types: int, hidden: int, rounds: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(types, hidden)
+        self.messages = nn.ModuleList(mlp((2 * hidden, hidden, hidden)) for _ in range(rounds))
+        self.updates = nn.ModuleList(nn.GRUCell(hidden, hidden) for _ in range(rounds))
+        self.readout = mlp((hidden, hidden, 1))
+
+    def forward(self, z: Tensor, edges: Tensor) -> Tensor:
+        """Return the molecule's 0-d output."""
+        h = self.embed(z)
+        source, target = edges
+        for message, update in zip(self.messages, self.updates):
+            m = message(torch.cat((h[source], h[target]), dim=-1))
+            h = update(torch.zeros_like(h).index_add_(0, target, m), h)
+        return self.readout(h).sum()
+
+
+class Molecules(ModelWorkload[Molecule]):
+    """Random molecules of 8-40 atoms (10 types, about 1.5 bonds per atom), three rounds of
+    message passing (hidden 64, about 120k parameters), regression of a 0-d target."""
+
+    name = "molecules"
+    summary = "message passing on molecules of 8-40 atoms, 3 rounds, hidden 64 (120k params)"
+    default_n, quick_n = 128, 16
+    types, hidden, rounds = 10, 64, 3
+
+    @classmethod
+    def draw(cls, gen: torch.Generator) -> Molecule:
+        atoms = randint(8, 40, gen)
+        z = torch.randint(0, cls.types, (atoms,), generator=gen)
+        # a chain keeps the molecule connected; about half as many bonds again close rings
+        extra = atoms // 2
+        a = torch.cat((torch.arange(atoms - 1), torch.randint(0, atoms, (extra,), generator=gen)))
+        b = torch.cat((torch.arange(1, atoms), torch.randint(0, atoms, (extra,), generator=gen)))
+        edges = torch.stack((torch.cat((a, b)), torch.cat((b, a))))
+        return Molecule(z, edges, torch.randn((), generator=gen))
+
+    @classmethod
+    def build(cls) -> nn.Module:
+        return MessagePassing(cls.types, cls.hidden, cls.rounds)
+
+    def f(self, item: Molecule) -> Tensor:
+        return (self.model(item.z, item.edges) - item.y) ** 2
+
+
+# --------------------------------------------------------------------------------------------
 # Large ops per element
 
 
@@ -495,7 +566,7 @@ class Overhead(Workload[Tensor]):
 
 
 WORKLOADS: dict[str, type[Workload[Any]]] = {
-    w.name: w for w in (RaggedBags, SmallBags, Tree, NeuralODE, Sequences, Overhead)
+    w.name: w for w in (RaggedBags, SmallBags, Tree, NeuralODE, Molecules, Sequences, Overhead)
 }
 """All workloads by name, in the order the bench runs them."""
 
