@@ -1,11 +1,15 @@
 """The framework-free join bookkeeping (``_join``): the account of a join's outputs that
-backwards freeing the graph went through (NOTE [a backward of some results])."""
+backwards freeing the graph went through (NOTE [a backward of some results]), and the fixed-order
+sum of the chunks' gradients (NOTE [chunk-order sum])."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from gradmap._join import BACKWARD_TWICE, Spent
+from gradmap._join import BACKWARD_TWICE, Spent, fold_pairs, sum_by_position
+from gradmap._plan import GROUPS, MAX_GROUP, plan_chunks
 
 
 def test_one_backward_of_every_output_spends_all_then_refuses_any():
@@ -44,3 +48,65 @@ def test_a_backward_that_keeps_the_graph_marks_nothing_but_is_refused_what_is_sp
     spent.spend(["g", None, "g"])
     with pytest.raises(RuntimeError, match="a second time"):
         spent.spend(["g", None, None], free=False)
+
+
+# -- the fixed-order sum ------------------------------------------------------------------------
+
+
+def _trace(a: str, b: str) -> str:
+    return f"({a}+{b})"  # an "addition" that shows its order
+
+
+def test_groups_of_the_sum_depend_on_the_chunk_count_only():
+    assert plan_chunks(31, chunksize=1).group == 1  # fewer than 2 * GROUPS chunks
+    assert plan_chunks(64, chunksize=1).group == 64 // GROUPS
+    assert plan_chunks(10_000, chunksize=1).group == MAX_GROUP
+    assert plan_chunks(256).group == plan_chunks(256).count // GROUPS
+
+
+def test_sum_adds_each_group_in_chunk_order_then_the_groups():
+    # three chunks reach input 0, in groups (0, 0, 1); chunk 1 reaches input 1 only
+    positions = [[0], [1, 0], [0]]
+    per_chunk = [["a"], ["x", "b"], ["c"]]
+    got = sum_by_position(2, positions, per_chunk, _trace, groups=[0, 0, 1])
+    assert got == ["((a+b)+c)", "x"]
+    got = sum_by_position(2, positions, per_chunk, _trace, groups=[0, 1, 1])
+    assert got == ["(a+(b+c))", "x"]
+    assert sum_by_position(2, positions, per_chunk, _trace) == ["((a+b)+c)", "x"]
+    assert sum_by_position(2, [[0], [0]], [None, ["a"]], _trace, groups=[0, 0]) == ["a", None]
+
+
+def test_a_group_added_up_by_a_worker_gives_the_drivers_sum():
+    # Any assignment of groups to workers that add them up (``fold_pairs``) gives what the
+    # driver gives adding every chunk itself: the same terms in the same order.
+    rng = random.Random(0)
+    chunks, group, keys = 12, 4, ["p", "q", "r"]
+    pairs = [[(key, f"{key}{k}") for key in keys if rng.random() < 0.7] for k in range(chunks)]
+    index = {key: i for i, key in enumerate(keys)}
+
+    def driver(per_chunk: dict[int, list[tuple[str, str]]]) -> list[str | None]:
+        order = sorted(per_chunk)
+        return sum_by_position(
+            len(keys),
+            [[index[key] for key, _ in per_chunk[k]] for k in order],
+            [[g for _, g in per_chunk[k]] for k in order],
+            _trace,
+            [k // group for k in order],
+        )
+
+    want = driver(dict(enumerate(pairs)))
+    for folded in ([0], [1, 2], [0, 1, 2]):
+        per_chunk = dict(enumerate(pairs))
+        for g in folded:
+            members = range(g * group, (g + 1) * group)
+            per_chunk[members[0]] = fold_pairs([pairs[k] for k in members], _trace)
+            for k in members[1:]:
+                per_chunk[k] = []
+        assert driver(per_chunk) == want
+    # and not the plain left fold over all chunks: a change of order would show
+    assert want != sum_by_position(
+        len(keys),
+        [[index[key] for key, _ in p] for p in pairs],
+        [[g for _, g in p] for p in pairs],
+        _trace,
+    )

@@ -340,6 +340,30 @@ def test_tsum_gradients_returned_twice_are_independent(ex, chunksize):
     close(torch.autograd.grad(total, wrt), want)
 
 
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_a_worker_sends_the_gradients_of_a_whole_group_once(ex, api):
+    # 64 chunks of one element, in groups of 4 (NOTE [chunk-order sum]), all on one worker
+    # process: it adds up each group it runs whole and sends one gradient per parameter for
+    # it, not one per chunk (the last chunks of a pass, single, are sent one by one).
+    alone = gradmap.ProcessExecutor(workers=1, caller_helps=False, timeout=120)
+    model = nn.Linear(64, 64)
+    per_chunk = sum(p.numel() * p.element_size() for p in model.parameters())  # 16.6 KB
+    xs = [torch.randn(2, 64) for _ in range(64)]
+    f = lambda x: model(x).pow(2).sum()  # noqa: E731
+    worker = alone._pool().ensure(1)[0]
+    before = worker.received_bytes
+    if api == "tsum":
+        got = torch.autograd.grad(
+            gradmap.tsum(f, xs, executor=alone, chunksize=1), [*model.parameters()]
+        )
+    else:
+        ys = gradmap.tmap(f, xs, executor=alone, chunksize=1)
+        got = torch.autograd.grad(torch.stack(ys).sum(), [*model.parameters()])
+    received = worker.received_bytes - before
+    assert received < 0.6 * 64 * per_chunk, received / per_chunk
+    close(got, torch.autograd.grad(loop_sum(f, xs), [*model.parameters()]))
+
+
 def test_tsum_of_vectors(ex):
     s = Setup()
     model, w = s.model, s.w

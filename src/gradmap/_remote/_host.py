@@ -34,6 +34,7 @@ from typing import Any, NoReturn, cast
 import torch
 
 from .._engine import on_a_chunk
+from .._join import fold_pairs
 from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
 from .._torch._graph import Known, tensors_in
 from .._torch._random import SEEDING, MapRandom
@@ -406,15 +407,22 @@ class Host:
         return self._out((self._handed_out(results), diff, sorted(set(pids)), state.seed.drawn))
 
     def backward(
-        self, call_id: str, chunks: list[tuple[int, bytes, bool]], backward_state: ThreadState
+        self,
+        call_id: str,
+        chunks: list[tuple[int, bytes, bool]],
+        backward_state: ThreadState,
+        folds: list[list[int]] | None = None,
     ) -> list:
         """Pull back kept chunks, each given as ``(chunk, cotangents, keep)`` (one cotangent per
         join output of the chunk); forget each chunk once pulled back unless ``keep``
         (``retain_graph``, or results of the chunk that no backward has gone through yet).
+        ``folds``: the positions (among ``chunks``) of each group of the sum the call holds
+        whole, whose gradients are sent added up (NOTE [chunk-order sum] in ``_join``).
 
         Returns:
             For each chunk, its pickled gradients, ``[(pid, gradient), ...]`` summed per pid
-            within the chunk; or :data:`LOST` if this actor does not hold the chunk.
+            within the chunk (a folded group's sum with its first chunk, nothing with the
+            others); or :data:`LOST` if this actor does not hold the chunk.
         """
         state = self._calls.get(call_id)
         out: list[Any] = []
@@ -430,26 +438,47 @@ class Host:
                     grads = _pull_back(kept.chunk, cots, state)
                 if not keep:
                     del state.chunks[k]
-                out.append(self._out(_by_pid(kept.pids, grads)))
+                out.append(_by_pid(kept.pids, grads))
         finally:
             if state is not None:
                 self._drop_if_empty(call_id, state)
-        return out
+        for fold in folds or ():
+            if all(out[i] is not LOST for i in fold):  # (a chunk lost: sent one by one)
+                out[fold[0]] = fold_pairs([out[i] for i in fold], torch.add)
+                for i in fold[1:]:
+                    out[i] = []
+        return [value if value is LOST else self._out(value) for value in out]
 
     def forward_sum(
-        self, call_id: str, box: Any, spec: CallSpec, chunks: list[tuple[int, int, Items]]
+        self,
+        call_id: str,
+        box: Any,
+        spec: CallSpec,
+        chunks: list[tuple[int, int, Items]],
+        folds: list[list[int]] | None = None,
     ) -> list:
         """``tsum``'s chunks, each given as ``(chunk, start, items)``: the forward, and for a
         chunk whose results are all 0-d (losses), its pullback with cotangent one at once
         (NOTE [tsum pulls back during the forward] in ``_torch/_sum``); such a chunk keeps
-        nothing. Any other chunk is kept as ``forward`` keeps it.
+        nothing. Any other chunk is kept as ``forward`` keeps it. ``folds``: the positions
+        (among ``chunks``) of each group of the sum the call holds whole: the gradients of its
+        chunks of losses are sent added up (NOTE [chunk-order sum] in ``_join``).
 
         Returns:
             For each chunk, the pickled ``("sum", total, [(pid, gradient), ...], drawn)`` of a
-            chunk of losses (its detached sum, and the gradients of that sum), or what
-            ``forward`` returns for it.
+            chunk of losses (its detached sum, and the gradients of that sum; a folded group's
+            with its first chunk of losses, none with the others), or what ``forward`` returns
+            for it.
         """
-        return self._each_chunk(call_id, box, spec, chunks, self._forward_sum)
+        out = self._each_chunk(call_id, box, spec, chunks, self._forward_sum)
+        for fold in folds or ():
+            sums = [i for i in fold if type(out[i]) is _Sum]
+            if len(sums) > 1:
+                first = out[sums[0]]
+                first.grads = fold_pairs([out[i].grads for i in sums], torch.add)
+                for i in sums[1:]:
+                    out[i].grads = []
+        return [self._out(v.value()) if type(v) is _Sum else v for v in out]
 
     def _forward_sum(self, state: _CallState, k: int, start: int, items: Items) -> bytes:
         spec = state.spec
@@ -497,7 +526,7 @@ class Host:
         total = values[0]
         for value in values[1:]:
             total = total + value
-        return self._out(("sum", total, _by_pid(pids, grads), state.seed.drawn))
+        return _Sum(total, _by_pid(pids, grads), state.seed.drawn)  # type: ignore[return-value]
 
     def recompute(
         self,
@@ -580,6 +609,19 @@ class Host:
     def _check_threads(self) -> None:
         if self._process and torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
+
+
+class _Sum:
+    """A chunk of losses in ``forward_sum``, before its answer is made: its gradients may yet
+    be added up with those of the rest of its group."""
+
+    __slots__ = ("drawn", "grads", "total")
+
+    def __init__(self, total: Tensor, grads: list[tuple[int, Tensor]], drawn: bool) -> None:
+        self.total, self.grads, self.drawn = total, grads, drawn
+
+    def value(self) -> tuple[str, Tensor, list[tuple[int, Tensor]], bool]:
+        return ("sum", self.total, self.grads, self.drawn)
 
 
 def _cotangents(payload: Any, leaves: LeafTable) -> Any:

@@ -73,7 +73,7 @@ from .._torch._graph import batched, buffers_kept, caller_only, keep_graph
 from .._torch._map import map_torch
 from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
-from .._torch._sum import sum_results, unscaled
+from .._torch._sum import scaled_sum, sum_results, unscaled
 from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker, process_wide
 from ._kept import KeptItems, items_cache
@@ -186,7 +186,21 @@ class _Driver(JoinGraph):
             timeout=self.timeout,
             restart_timeout=self.restart_timeout,
             describe=self._describe,
+            group=self.plan.group,
         )
+
+    def folds(self, jobs: list[Job], worker: int, in_pass: dict[int, int]) -> list[list[int]]:
+        """The positions among ``jobs`` of each group of the sum that the call to ``worker``
+        holds whole (``in_pass``: how many chunks of each group the pass runs): a worker
+        process adds up their gradients (NOTE [chunk-order sum] in ``_join``); none for the
+        caller's own host, whose answers are not sent anywhere."""
+        group = self.plan.group
+        if group == 1 or len(jobs) < 2 or self.transport.local(worker):
+            return []
+        found: dict[int, list[int]] = {}
+        for i, job in enumerate(jobs):
+            found.setdefault(job.chunk // group, []).append(i)
+        return [at for g, at in found.items() if len(at) > 1 and len(at) == in_pass[g]]
 
     def _describe(self, k: int) -> str:
         start, stop = self.plan.bounds(k)
@@ -227,8 +241,13 @@ class _Driver(JoinGraph):
         bar = open_progress(self.progress, "forward", plan.n, self.api)
         self.elements = elements
 
+        in_pass = _per_group(range(plan.count), plan.group)
+
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
             chunks = [(j.chunk, plan.bounds(j.chunk)[0], self.pack_items(j.chunk)) for j in jobs]
+            if method == "forward_sum":
+                folds = self.folds(jobs, a, in_pass)
+                return self.transport.call(a, method, self.id, self.box, self.spec, chunks, folds)
             return self.transport.call(a, method, self.id, self.box, self.spec, chunks)
 
         def on_result(k: int, a: int, value: bytes) -> None:
@@ -270,14 +289,17 @@ class _Driver(JoinGraph):
         # Each chunk is kept for a later backward unless all its results are gone through.
         kept = [keep or not self.spent.spent(*record.outputs) for record in self.chunks]
         jobs = []
+        early_chunks: set[int] = set()
+        scale = None
         for k, record in enumerate(self.chunks):
             lo, hi = record.outputs
             early = record.early
             if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
-                c = cotangents[lo]
+                c = cotangents[lo]  # (after the sum: NOTE [early gradients scaled once])
                 if c is not None:
-                    as_is = unscaled(c, kept[k])
-                    per_chunk[k] = early if as_is else [(pid, g * c) for pid, g in early]
+                    scale = None if unscaled(c, kept[k]) else c
+                    per_chunk[k] = early
+                    early_chunks.add(k)
             elif any(g is not None for g in cotangents[lo:hi]):
                 payloads[k] = list(cotangents[lo:hi])
                 jobs.append(Job(k, None if self.remat else record.owner, recompute=self.remat))
@@ -307,7 +329,10 @@ class _Driver(JoinGraph):
             pulls = [
                 (j.chunk, self.cotangents_for(payloads[j.chunk], a), kept[j.chunk]) for j in jobs
             ]
-            return self.transport.call(a, "backward", self.id, pulls, state)
+            folds = self.folds(jobs, a, in_pass)
+            return self.transport.call(a, "backward", self.id, pulls, state, folds)
+
+        in_pass = _per_group((j.chunk for j in jobs), plan.group)
 
         def on_result(k: int, a: int, value: bytes) -> None:
             per_chunk[k] = loads_results(value)
@@ -328,11 +353,16 @@ class _Driver(JoinGraph):
                 bar.close()
         index = {pid: p for p, pid in enumerate(self.inputs)}
         chunks = sorted(per_chunk)  # chunk order: the same sum for any assignment of chunks
-        totals = sum_by_position(
-            len(self.inputs),
-            [[index[pid] for pid, _ in per_chunk[k]] for k in chunks],
-            [[g for _, g in per_chunk[k]] for k in chunks],
-            torch.add,
+        positions = [[index[pid] for pid, _ in per_chunk[k]] for k in chunks]
+        group = plan.group
+        groups = None if group == 1 else [k // group for k in chunks]
+
+        def add_up(grads: list[Any]) -> list[Tensor | None]:
+            return sum_by_position(len(self.inputs), positions, grads, torch.add, groups)
+
+        per_position = [[g for _, g in per_chunk[k]] for k in chunks]
+        totals = scaled_sum(
+            per_position, {i for i, k in enumerate(chunks) if k in early_chunks}, scale, add_up
         )
         if not keep and self.spent.left == 0:
             self.release()
@@ -448,6 +478,14 @@ def map_remote(request: MapRequest) -> Any:
 
 
 _FIRST = (0,)
+
+
+def _per_group(chunks: Any, group: int) -> dict[int, int]:
+    """How many of ``chunks`` each group of the sum holds."""
+    counts: dict[int, int] = {}
+    for k in chunks:
+        counts[k // group] = counts.get(k // group, 0) + 1
+    return counts
 
 
 def _detached(t: Tensor) -> Tensor:

@@ -9,7 +9,11 @@ NOTE [a pass over the actors]:
     at the end, where they balance the actors' loads -- but at most twice as many as the actor
     had before in the pass, so that its first call (one chunk) starts at once, and at most what
     the transport allows for that actor (``Transport.most``: the caller, when it runs chunks
-    itself, takes one at a time, and answers the workers between two). An actor call
+    itself, takes one at a time, and answers the workers between two). A batch does not end in
+    the middle of a group of the sum (NOTE [chunk-order sum] in ``_join``) whose next chunk is
+    next in the queue: a worker that runs a whole group adds its gradients up and sends them
+    once. The caller, whose chunks are not sent anywhere, takes its free chunks from the end of
+    the queue, so that it does not cut into the workers' groups. An actor call
     costs the driver about half a millisecond and the actor about as much (measured with Ray
     2.60), and the chunk plan's ~64 chunks are often a few milliseconds of work each: one call
     per chunk would spend a large part of the pass on calls. Batching changes no result: every
@@ -143,6 +147,7 @@ def run_pass(
     restart_timeout: float = 120.0,
     max_attempts: int = 3,
     describe: Callable[[int], str] = str,
+    group: int = 1,
 ) -> None:
     """Run ``jobs`` on ``actors`` actors; see NOTE [a pass over the actors].
 
@@ -155,6 +160,7 @@ def run_pass(
         restart_timeout: seconds the pass may have no actor to run on before it fails.
         max_attempts: lost actors one chunk may meet before the pass fails.
         describe: names a chunk in errors.
+        group: chunks per group of the sum (``ChunkPlan.group``).
 
     Raises:
         The first (lowest chunk's) exception of ``f``, or RuntimeError / TimeoutError.
@@ -204,9 +210,18 @@ def run_pass(
         limit = most[actor]
         if limit is not None:
             size = min(size, limit)
+        if limit == 1 and queue is free:
+            return [queue.pop()]  # the caller: from the end, not into the workers' groups
         batch = [queue.popleft()]
-        # Consecutive chunks of one kind only (a batch is one call of one method).
-        while len(batch) < size and queue and queue[0].recompute == batch[0].recompute:
+        # Consecutive chunks of one kind only (a batch is one call of one method), to the end
+        # of the last one's group where the rest of it is next -- not in the pass's last
+        # chunks, where single chunks balance the loads.
+        whole = limit is None and len(queue) > GUIDED * share * group
+        while queue and queue[0].recompute == batch[0].recompute:
+            if len(batch) >= size and not (
+                whole and queue[0].chunk // group == batch[-1].chunk // group
+            ):
+                break
             batch.append(queue.popleft())
         return batch
 

@@ -222,9 +222,11 @@ class MapGraph(JoinGraph):
         create_graph: bool,
         recomputes: bool,
         batched: bool = False,
+        add_up: Callable[[list[Any]], list[Tensor | None]] | None = None,
     ) -> list[Tensor | None]:
         """The join's backward: every chunk's pullback on the executor, the chunks that need a
-        plain ``backward()`` after them (NOTE [reentrant checkpoint]), the chunk-order sum.
+        plain ``backward()`` after them (NOTE [reentrant checkpoint]), the chunk-order sum
+        (``add_up``: another sum of the per-chunk gradients).
         ``batched``: a backward under vmap, whose levels only this thread knows: the chunks are
         pulled back here, one after another."""
         call, layout, records = self.call, self.layout, self.records
@@ -250,7 +252,7 @@ class MapGraph(JoinGraph):
             if grads_k is ACCUMULATE:
                 _accumulate(call, records[k], chunk_cotangents(k))
                 per_chunk[k] = None  # the plain backward passed everything on
-        grads = sum_in_chunk_order(layout, per_chunk, torch.add)
+        grads = (add_up or self.sum_chunks)(per_chunk)
         for ref, record, o in self.retained:  # NOTE [results that retain their gradient]
             alias = ref()
             if record.stored:
@@ -270,6 +272,10 @@ class MapGraph(JoinGraph):
                     if record.stored and self.chunk_spent(k):
                         record.drop_graph()
         return grads
+
+    def sum_chunks(self, per_chunk: list[Any]) -> list[Tensor | None]:
+        """The chunks' gradients added (NOTE [chunk-order sum] in ``_join``)."""
+        return sum_in_chunk_order(self.layout, per_chunk, torch.add, self.call.plan.group)
 
 
 def _accumulate(call: MapCall, record: ChunkRecord, cotangents: Sequence[Tensor | None]) -> None:

@@ -23,7 +23,7 @@ from ._node import JoinNode, layout_of
 from ._random import MapRandom, moved_by
 from ._state import ThreadState
 
-__all__ = ["sum_results", "sum_torch", "unscaled"]
+__all__ = ["scaled_sum", "sum_results", "sum_torch", "unscaled"]
 
 Tensor = torch.Tensor
 
@@ -337,6 +337,26 @@ class _SumJoin(JoinNode):
     """The sum's join (named apart from the map's in ``grad_fn``)."""
 
 
+def scaled_sum(
+    per_chunk: list[Any],
+    early: set[int],
+    scale: Tensor | None,
+    add_up: Callable[[list[Any]], list[Tensor | None]],
+) -> list[Tensor | None]:
+    """A sum's gradients: the early chunks' (``early``: their indices) added up and multiplied
+    by ``scale`` (``None``: one), then the other chunks' added to that (NOTE [early gradients
+    scaled once]). ``add_up``: the fixed-order sum of a list of per-chunk gradients."""
+    if not early:
+        return add_up(per_chunk)
+    first = add_up([g if k in early else None for k, g in enumerate(per_chunk)])
+    if scale is not None:
+        first = [None if g is None else g * scale for g in first]
+    if len(early) == len(per_chunk):
+        return first
+    rest = add_up([None if k in early else g for k, g in enumerate(per_chunk)])
+    return [b if a is None else a if b is None else a + b for a, b in zip(first, rest)]
+
+
 class _SumGraph(MapGraph):
     def __init__(
         self,
@@ -386,14 +406,20 @@ class _SumGraph(MapGraph):
             call.check_versions(runs_f)
         wanted = self.wanted(ctx)
         c = cotangents[0]
-        as_is = c is not None and unscaled(c, not free_graph)
+        # NOTE [early gradients scaled once]: the early chunks' gradients are added up first
+        # (in the order of NOTE [chunk-order sum]) and the sum is multiplied by the cotangent,
+        # once per tensor, not once per chunk; worker processes send a group's gradients
+        # added up, and the same order gives the same bits there (``_remote/_map``).
+        scale = None if c is None or unscaled(c, not free_graph) else c
+        early_chunks: set[int] = set()
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
             early = self.early[k]
             if early is not None and not create_graph:
                 if c is None:
                     return None
-                return early if as_is else [None if g is None else g * c for g in early]
+                early_chunks.add(k)
+                return early
             return pull_back(
                 records[k],
                 chunk_cotangents(k),
@@ -413,4 +439,5 @@ class _SumGraph(MapGraph):
             create_graph=create_graph,
             recomputes=create_graph or any(not r.stored for r in records),
             batched=batched(cotangents),
+            add_up=lambda per_chunk: scaled_sum(per_chunk, early_chunks, scale, self.sum_chunks),
         )
