@@ -673,8 +673,8 @@ def test_remat_batchnorm_buffers_updated_once(ex):
 def test_an_f_that_starts_drawing_is_seeded_per_element_from_its_next_call(
     api, workers, monkeypatch
 ):
-    """NOTE [random numbers per element]: after a first call that drew nothing, calls seed each
-    chunk once (or run on the pool, unseeded); the call in which ``f`` starts drawing has the
+    """NOTE [random numbers per element]: after a first call that drew nothing, calls seed the
+    pass once (or run on the pool, unseeded); the call in which ``f`` starts drawing has the
     right gradients, and from the next call on every element draws from its own seed again, as
     the serial reference does."""
     from gradmap import _placement
@@ -702,7 +702,7 @@ def test_an_f_that_starts_drawing_is_seeded_per_element_from_its_next_call(
         (g,) = torch.autograd.grad(total, w)
         return total.detach(), g
 
-    run()  # draws nothing: later calls seed each chunk once
+    run()  # draws nothing: later calls seed the pass once
     run()
     drawing[0] = True
     total, g = run()  # starts drawing: not the per-element draws, but the loop's gradient of them

@@ -420,3 +420,22 @@ def test_tsum_of_losses_some_without_grad_and_of_a_structure_that_changes(execut
     want = sum(h(x)[0] for x in xs)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got, w)[0], torch.autograd.grad(want, w)[0])
+
+
+def test_modules_of_finds_modules_in_long_lists_and_skips_datasets():
+    # ``modules_of`` (whose buffers a recompute keeps, whose .grad a forward may write) looks
+    # through f's closure per call; a long list of items is data, not modules, and is not
+    # scanned item by item, while a long plain list of modules is.
+    from gradmap._torch._graph import modules_of
+
+    nets = [torch.nn.Linear(2, 2) for _ in range(20)]
+    data = [(torch.randn(2), 1.0) for _ in range(1000)]
+
+    def f(i: int) -> Tensor:
+        x, _ = data[i]
+        return nets[i % 20](x).sum()
+
+    assert {id(m) for m in modules_of(f)} == {id(m) for m in nets}
+    nets_and_data = [data, nets]
+    g = lambda i: nets_and_data[1][0](nets_and_data[0][i][0])  # noqa: E731
+    assert {id(m) for m in modules_of(g)} == {id(m) for m in nets}

@@ -251,7 +251,7 @@ def run_forward(
     for i in indices:
         if stop is not None and stop():
             break
-        if random is not None and (last is None or random.each):
+        if random is not None and random.each:
             random.element(i)  # NOTE [random numbers per element]
             last = i
         try:

@@ -26,13 +26,16 @@ NOTE [random numbers per element]:
 
     Seeding costs 1-1.5 us per element, most of a small element's own cost beside the walk, and
     most ``f`` draw nothing. So, as with the pool, a forward in one thread of an ``f`` seen to
-    draw nothing in its first call (``Placement.seeds_each``) seeds each *chunk* once, at its
-    first element, and checks after its last whether anything drew (``each = False``). One
-    that did -- an ``f`` that starts drawing later (dropout after ``train()`` in a map of the
-    same kind), or draws on elements the first call did not have -- drew that call from the
-    chunk's seed on (right gradients, draws not the per-element ones), and is seeded per
-    element from its next call on. ``executor="serial"`` and ``workers=1`` follow the same rule
-    (with a history of their own); ``remat`` and worker processes seed every element always.
+    draw nothing in its first call (``Placement.seeds_each``) seeds the generator once for the
+    whole pass, with ``base``, and checks after the pass whether anything drew (``each =
+    False``): a check per chunk (reading the generator's 5 KB state and comparing) cost 4-5 us
+    per element on molecules of 10-30 atoms in chunks of three (the seeding and checking once per
+    chunk were a third of gradmap's own cost there). An ``f`` that starts drawing later
+    (dropout after ``train()`` in a map of the same kind), or draws on elements the first call
+    did not have, drew that call from the pass's seed on (right gradients, draws not the
+    per-element ones), and is seeded per element from its next call on.
+    ``executor="serial"`` and ``workers=1`` follow the same rule (with a history of their own);
+    ``remat`` and worker processes seed every element always.
 """
 
 from __future__ import annotations
@@ -99,22 +102,29 @@ class MapRandom:
         self.base: int | None = None
         self._after: torch.Tensor | None = None
         self.drew = False
-        self.each = True  # seed every element; else each chunk once (an f seen not to draw)
+        self.each = True  # seed every element; else the pass once (an f seen not to draw)
 
     @contextmanager
     def seeding(self) -> Iterator[MapRandom]:
         """Around a forward in one thread: this map owns the global generator (a lock keeps
-        other maps' seeding out), draws its base on first use, and leaves the generator as that
-        one draw left it."""
+        other maps' seeding out), draws its base on first use, seeds the pass once unless each
+        element is seeded (``each``), and leaves the generator as that one draw left it."""
         with nullcontext() if on_a_chunk() else SEEDING:  # nested: the outer map holds it
             gen = torch.default_generator
             if self._after is None:
                 self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
                 self._after = gen.get_state()
             after = self._after
+            once = not self.each  # an f seen not to draw: one seed for the whole pass
+            if once:
+                assert self.base is not None
+                gen.manual_seed(self.base)
             try:
                 yield self
             finally:
+                if once and not self.drew:
+                    assert self.base is not None
+                    self.drew = _drew_since_seeding(self.base)
                 gen.set_state(after)
 
     def element(self, index: int) -> None:
