@@ -211,3 +211,24 @@ def test_no_leak_on_errors(user_pool: Any) -> None:
         for t in m.inputs:
             assert t.grad is None
     assert_threads_back(baseline)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_garbage_collection_is_left_as_it_was(enabled: bool) -> None:
+    # NOTE [no collection while the join hands out]: paused while the join makes its outputs,
+    # then as it was: on, or off where the user turned it off.
+    w = torch.randn(3, requires_grad=True)
+    xs = [torch.randn(3) for _ in range(100)]
+    before = gc.isenabled()
+    try:
+        if not enabled:
+            gc.disable()
+        for executor in ("threads", "serial"):
+            torch.stack(
+                gradmap.tmap(lambda x: (w * x).sum(), xs, executor=executor)
+            ).sum().backward()
+            gradmap.tsum(lambda x: (w * x).sum(), xs, executor=executor).backward()
+            assert gc.isenabled() is enabled
+    finally:
+        if before:
+            gc.enable()
