@@ -28,8 +28,10 @@ NOTE [the map in other processes]:
     - Backward. Each chunk's cotangents go to the actor holding its graph, which pulls it back
       (the chunk record's ``pull_back``: missing and zero cotangents skip the work) and
       sends one gradient per id: the chunk's sum, computed there -- one tensor per parameter per
-      chunk, not per element. The driver sums them per id in chunk order, so the gradients are
-      bitwise the same for any number of actors, any assignment of chunks and any run.
+      chunk, not per element, or one per group of the sum for a call that held the whole group
+      (added up there, in the same order). The driver sums them per id in the fixed order of
+      NOTE [chunk-order sum] (``_join``), so the gradients are bitwise the same for any number
+      of actors, any assignment of chunks and any run.
       ``retain_graph`` keeps the actors' graphs for another backward; otherwise they are released.
     - ``remat=True``: the forward keeps nothing on the actors; the backward runs each chunk's
       ``recompute`` (forward and pullback in one call, on whichever actor is free).
@@ -43,8 +45,10 @@ NOTE [the map in other processes]:
       same results in other processes as on threads.
     - ``tsum``: each chunk's forward and, for a chunk of losses (0-d results), its pullback with
       cotangent one run in one call, and the worker keeps nothing; the join takes each such
-      chunk's sum as one output, and its backward scales the chunk's gradients by that output's
-      cotangent, with no call to the workers. Other chunks are kept as ``tmap``'s.
+      chunk's sum as one output, and its backward adds the chunks' gradients up (a whole
+      group's came added up) and scales the sum by the cotangent (NOTE [early gradients scaled
+      once] in ``_torch/_sum``), with no call to the workers. Other chunks are kept as
+      ``tmap``'s.
 
     Not supported in other processes: a ``create_graph=True`` backward through the map (double
     backward), which raises ``NotImplementedError`` naming the thread executor; ``torch.func``

@@ -1,6 +1,6 @@
 """The map: ``tmap`` on threads -- the chunks' forwards, their results wired into the caller's
 graph through the join node (NOTE [the join node] in ``_node``), and the join's backward: every
-chunk's pullback on the executor, summed in chunk order.
+chunk's pullback on the executor, summed in a fixed order (NOTE [chunk-order sum] in ``_join``).
 
 NOTE [double backward recomputes]:
     A first-order gradient built with ``create_graph=True`` refers to the nodes of the graph it

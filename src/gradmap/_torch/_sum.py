@@ -36,7 +36,8 @@ def sum_torch(request: MapRequest) -> Any:
         is the sum's own, whatever it turns out to be; so each chunk is pulled back with
         cotangent one as soon as its forward ends, on the pool, while the next chunks' forwards
         run, and its graph is freed at once (about one chunk's graph per worker is alive). The
-        sum's backward multiplies the chunk gradients, added in chunk order, by its cotangent.
+        sum's backward multiplies the chunk gradients, added up in the order of NOTE [chunk-order
+        sum] (``_join``), by its cotangent (NOTE [early gradients scaled once]).
         Chunks with other results keep their graph (or nothing, under ``remat``) and are pulled
         back in the sum's backward, with the sum's cotangent for every element; a
         ``create_graph=True`` backward recomputes every chunk (NOTE [double backward
