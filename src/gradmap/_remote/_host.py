@@ -366,7 +366,7 @@ class Host:
         box: Any,
         spec: CallSpec,
         chunks: list[tuple[int, int, Items]],
-        run: Callable[[_CallState, int, int, Items], bytes],
+        run: Callable[[_CallState, int, int, Items], Any],
     ) -> list:
         """``run(state, chunk, start, items)`` for each chunk of a call; the call's state is
         forgotten afterwards if it keeps no chunk."""
@@ -480,7 +480,7 @@ class Host:
                     out[i].grads = []
         return [self._out(v.value()) if type(v) is _Sum else v for v in out]
 
-    def _forward_sum(self, state: _CallState, k: int, start: int, items: Items) -> bytes:
+    def _forward_sum(self, state: _CallState, k: int, start: int, items: Items) -> Any:
         spec = state.spec
         if not spec.graph or spec.remat:
             return self._forward(state, k, start, items)
@@ -526,7 +526,7 @@ class Host:
         total = values[0]
         for value in values[1:]:
             total = total + value
-        return _Sum(total, _by_pid(pids, grads), state.seed.drawn)  # type: ignore[return-value]
+        return _Sum(total, _by_pid(pids, grads), state.seed.drawn)
 
     def recompute(
         self,

@@ -61,7 +61,8 @@ from __future__ import annotations
 import contextlib
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -193,7 +194,7 @@ class _Driver(JoinGraph):
             group=self.plan.group,
         )
 
-    def folds(self, jobs: list[Job], worker: int, in_pass: dict[int, int]) -> list[list[int]]:
+    def folds(self, jobs: list[Job], worker: int, in_pass: Counter[int]) -> list[list[int]]:
         """The positions among ``jobs`` of each group of the sum that the call to ``worker``
         holds whole (``in_pass``: how many chunks of each group the pass runs): a worker
         process adds up their gradients (NOTE [chunk-order sum] in ``_join``); none for the
@@ -316,6 +317,8 @@ class _Driver(JoinGraph):
             if done:
                 bar.update(done)
 
+        in_pass = _per_group((j.chunk for j in jobs), plan.group)
+
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
             if recompute:
                 chunks = [
@@ -335,8 +338,6 @@ class _Driver(JoinGraph):
             ]
             folds = self.folds(jobs, a, in_pass)
             return self.transport.call(a, "backward", self.id, pulls, state, folds)
-
-        in_pass = _per_group((j.chunk for j in jobs), plan.group)
 
         def on_result(k: int, a: int, value: bytes) -> None:
             per_chunk[k] = loads_results(value)
@@ -484,12 +485,9 @@ def map_remote(request: MapRequest) -> Any:
 _FIRST = (0,)
 
 
-def _per_group(chunks: Any, group: int) -> dict[int, int]:
+def _per_group(chunks: Iterable[int], group: int) -> Counter[int]:
     """How many of ``chunks`` each group of the sum holds."""
-    counts: dict[int, int] = {}
-    for k in chunks:
-        counts[k // group] = counts.get(k // group, 0) + 1
-    return counts
+    return Counter(k // group for k in chunks)
 
 
 def _detached(t: Tensor) -> Tensor:
