@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -56,9 +58,11 @@ def test_remat_closure_and_nonleaf_tensors(tmap_kwargs):
 def test_remat_runs_f_again_in_the_backward_only(tmap_kwargs):
     calls = {"grad": 0, "nograd": 0}
     w = torch.randn(3, requires_grad=True)
+    counting = threading.Lock()  # (``+=`` on a dict entry is no atomic step without the GIL)
 
     def f(x):
-        calls["grad" if torch.is_grad_enabled() else "nograd"] += 1
+        with counting:
+            calls["grad" if torch.is_grad_enabled() else "nograd"] += 1
         return (x * w).sum()
 
     xs = torch.randn(6, 3)
