@@ -13,6 +13,7 @@ import torch
 import gradmap
 from gradmap._remote import _kept
 from gradmap._remote._kept import ItemsCache, items_cache
+from gradmap._torch._native import native
 
 import support
 
@@ -187,11 +188,17 @@ def test_a_chunk_found_by_ids_is_checked_value_by_value(before: Any, after: Any)
     assert cache.lookup([(t, before)])[0] is None  # other ids: not found either
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["memcmp", "copy"])
-def test_every_byte_of_a_kept_chunk_is_compared(monkeypatch: Any, in_place: bool) -> None:
+@pytest.mark.parametrize("how", ["native", "memcmp", "copy"])
+def test_every_byte_of_a_kept_chunk_is_compared(monkeypatch: Any, how: str) -> None:
     """NOTE [kept items compared in place]: a change to any byte of any tensor of a kept chunk,
-    made without a version bump, sends the chunk anew; put back, the chunk is found again."""
-    if not in_place:
+    made without a version bump, sends the chunk anew; put back, the chunk is found again --
+    by the native module's comparison, by the C library's ``memcmp`` from Python, or by a copy."""
+    if how == "native":
+        if native() is None:
+            pytest.skip("the native module is not built here")
+    else:
+        monkeypatch.setattr(_kept, "native", lambda: None)
+    if how == "copy":
         monkeypatch.setattr(_kept, "_memcmp", None)
     cache = ItemsCache()
     chunk = [
@@ -209,6 +216,28 @@ def test_every_byte_of_a_kept_chunk_is_compared(monkeypatch: Any, in_place: bool
             assert cache.lookup(chunk)[0] is None, (t, i)
             flat[i] = old
             assert cache.lookup(chunk)[0] is not None, (t, i)
+
+
+@pytest.mark.parametrize("how", ["native", "memcmp"])
+def test_a_kept_tensor_made_strided_in_place_is_not_taken_as_kept(
+    monkeypatch: Any, how: str
+) -> None:
+    # Same shape and dtype, and the first bytes of its storage are the kept ones -- but the
+    # tensor now steps over them: its values changed, and must not be taken for the kept ones.
+    if how == "native" and native() is None:
+        pytest.skip("the native module is not built here")
+    if how != "native":
+        monkeypatch.setattr(_kept, "native", lambda: None)
+    cache = ItemsCache()
+    t = torch.tensor([1.0, 2.0, 3.0])
+    chunk = [(t,)]
+    assert cache.keep(cache.lookup(chunk)[1], b"payload") is not None
+    assert cache.lookup(chunk)[0] is not None
+    storage = torch.tensor([1.0, 2.0, 3.0, 9.0, 9.0]).untyped_storage()
+    with torch.no_grad():
+        t.set_(storage, 0, (3,), (2,))
+    assert t.tolist() == [1.0, 3.0, 9.0]
+    assert cache.lookup(chunk)[0] is None
 
 
 # -- NOTE [kept items cross to a worker process once] ---------------------------------------------

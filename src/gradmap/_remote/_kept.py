@@ -61,6 +61,7 @@ from typing import Any, cast
 
 import torch
 
+from .._torch._native import native
 from ._pickling import LeafTable, loads, raw_bytes, readable_in_place, version_of
 
 __all__ = [
@@ -269,8 +270,16 @@ def _same_contents(tensors: list[Tensor], reference: bytes, address: int | None)
         the caller's time (the larger figure while the freed buffer's pages were handed back
         to the system and faulted in again). Each tensor is now compared where it lies, with
         the C library's ``memcmp``, against its place in the reference: nothing is copied
-        (0.4 ms for the same chunks). Where no ``memcmp`` is found, the copy as before."""
-    if address is None or _memcmp is None:
+        (0.4 ms for the same chunks). Where no ``memcmp`` is found, the copy as before.
+        The native module's ``same_bytes`` runs the same checks and comparisons in one call,
+        where the loop below spent 1.5 us of Python on each tensor (ragged bags: 13 us a chunk
+        of four bags against 4, about 0.6 ms of the caller's time a call)."""
+    if address is None:
+        return _contents(tensors) == reference
+    module = native()
+    if module is not None:
+        return bool(module.same_bytes(tensors, address, len(reference)))
+    if _memcmp is None:
         return _contents(tensors) == reference
     if not all(readable_in_place(t) for t in tensors):
         return False

@@ -358,6 +358,35 @@ std::vector<bool> needed(const py::object& ctx) {
   return out;
 }
 
+// Whether the tensors' bytes, one after another, are the ``length`` bytes at ``address``: a kept
+// chunk's items against the reference kept with them (NOTE [kept items compared in place] in
+// ``_remote/_kept.py``), in one call instead of a Python loop over the tensors. False where a
+// tensor's bytes cannot be read in place (``readable_in_place`` there: a contiguous CPU tensor of
+// plain layout, without conjugate or negative bits). The tensors are held by the vector while
+// the GIL is released; the caller keeps the reference alive.
+bool same_bytes(const std::vector<at::Tensor>& tensors, uintptr_t address, size_t length) {
+  for (const auto& t : tensors) {
+    if (!t.device().is_cpu() || t.layout() != at::kStrided || t.is_quantized() ||
+        !t.is_contiguous() || t.is_conj() || t.is_neg()) {
+      return false;
+    }
+  }
+  py::gil_scoped_release no_gil;
+  const char* reference = reinterpret_cast<const char*>(address);
+  size_t offset = 0;
+  for (const auto& t : tensors) {
+    const size_t size = static_cast<size_t>(t.numel()) * t.element_size();
+    if (size > length - offset) {
+      return false;
+    }
+    if (size != 0 && std::memcmp(t.const_data_ptr(), reference + offset, size) != 0) {
+      return false;
+    }
+    offset += size;
+  }
+  return offset == length;
+}
+
 }  // namespace
 
 // The module keeps no state of its own and its functions read no Python object without the GIL,
@@ -371,4 +400,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("walk", &walk, "A chunk's boundary, its edges to non-leaves made elsewhere gated.");
   m.def("reaches", &reaches, "Which boundary inputs the graph from outputs reaches.");
   m.def("needed", &needed, "Which of a join's inputs the running backward needs.");
+  m.def("same_bytes", &same_bytes, "Whether tensors' bytes, one after another, are those at an address.");
 }
