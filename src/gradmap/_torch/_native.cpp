@@ -2,7 +2,8 @@
 //
 // walk(outputs, lo, hi) reads a chunk's boundary off the graph its forward built in the calling
 // thread, and gates every edge from the chunk to a node made elsewhere. It makes no Python
-// object per node: only the boundary's entries reach Python.
+// object per node: only the boundary's entries reach Python. (The module also holds the
+// processes executor's byte comparison of kept items, same_bytes, at the end.)
 #include <ATen/record_function.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/function.h>
