@@ -20,7 +20,7 @@ NOTE [chunk-order sum]:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import repeat
 from operator import is_
 from typing import Generic, TypeVar
@@ -30,6 +30,7 @@ __all__ = [
     "JoinLayout",
     "Spent",
     "fold_pairs",
+    "groups_of",
     "sum_by_position",
     "sum_in_chunk_order",
 ]
@@ -97,8 +98,14 @@ def sum_in_chunk_order(
     Returns:
         One gradient per join input, ``None`` where no chunk sent one.
     """
-    groups = None if group == 1 else [k // group for k in range(len(per_chunk))]
+    groups = groups_of(range(len(per_chunk)), group)
     return sum_by_position(len(layout.inputs), layout.positions, per_chunk, add, groups)
+
+
+def groups_of(chunks: Iterable[int], group: int) -> list[int] | None:
+    """Each of ``chunks``' group of the sum (``group`` chunks each), for [`sum_by_position`][];
+    ``None`` where every chunk is a group of its own."""
+    return None if group == 1 else [k // group for k in chunks]
 
 
 def sum_by_position(

@@ -70,7 +70,7 @@ import torch
 
 from .._errors import add_note
 from .._executors import RemoteExecutor, SerialExecutor
-from .._join import Spent, sum_by_position
+from .._join import Spent, groups_of, sum_by_position
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._request import MapRequest
@@ -359,8 +359,7 @@ class _Driver(JoinGraph):
         index = {pid: p for p, pid in enumerate(self.inputs)}
         chunks = sorted(per_chunk)  # chunk order: the same sum for any assignment of chunks
         positions = [[index[pid] for pid, _ in per_chunk[k]] for k in chunks]
-        group = plan.group
-        groups = None if group == 1 else [k // group for k in chunks]
+        groups = groups_of(chunks, plan.group)
 
         def add_up(grads: list[Any]) -> list[Tensor | None]:
             return sum_by_position(len(self.inputs), positions, grads, torch.add, groups)
