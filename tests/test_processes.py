@@ -559,6 +559,22 @@ def test_items_in_shared_memory_travel_by_reference(ex):
     close(got, ref)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_sparse_items_and_a_sparse_parameter(ex):
+    """Sparse tensors have no one storage: items and closure tensors of a sparse layout pickle
+    as torch pickles them, and a sparse parameter gets the loop's (sparse) gradient."""
+    w = torch.randn(4, 4, requires_grad=True)
+    ws = torch.randn(4, 4).relu().to_sparse().requires_grad_()
+    coo = [torch.randn(4, 4).relu().to_sparse() for _ in range(5)]
+    csr = [torch.randn(4, 4).relu().to_sparse_csr() for _ in range(5)]
+    f = lambda s, c, x: torch.sparse.mm(s, w).sum() + (c @ w).sum() + torch.sparse.mm(ws, x).sum()  # noqa: E731
+    xs = [torch.randn(4, 1) for _ in range(5)]
+    ref = torch.autograd.grad(sum(loop(f, coo, csr, xs)), [w, ws])
+    got = torch.autograd.grad(gradmap.tsum(f, coo, csr, xs, executor=ex, chunksize=2), [w, ws])
+    assert got[1].layout == torch.sparse_coo
+    close([got[0], got[1].to_dense()], [ref[0], ref[1].to_dense()])
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
 def test_fresh_closure_tensors_do_not_accumulate(ex):
     # A training loop: each step's f closes over that step's tensors (targets, masks). Once a

@@ -316,6 +316,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                 if (
                     share is None
                     and self._share_shared is not None
+                    and obj.layout == torch.strided  # sparse tensors have no one storage
                     and obj.untyped_storage().is_shared()
                 ):
                     share = self._share_shared  # an item already in shared memory
@@ -409,7 +410,7 @@ class _ItemsPickler(pickle.Pickler):
         if type(obj) is not Tensor:
             return NotImplemented
         share = self._share_shared
-        if share is not None and obj.untyped_storage().is_shared():
+        if share is not None and obj.layout == torch.strided and obj.untyped_storage().is_shared():
             shared = share(obj)
             if shared is not None:
                 self.shared[shared.key] = shared.storage
