@@ -1066,6 +1066,10 @@ class Bad(Exception):
 NT = collections.namedtuple("NT", ["v", "k"])
 
 
+class Tagged(torch.Tensor):
+    pass
+
+
 def f(i, x):
     if i == 5 and x.sum() > 100:  # (only the call below that asks for it)
         raise Bad(i)
@@ -1088,6 +1092,12 @@ for helps in (True, False):
     assert all(type(y) is NT for y in ys), helps  # a named tuple of the script's: a container
     boxes = [Box(x) for x in xs]  # items of the script's own class
     got = gradmap.tsum(g, boxes, executor=ex, chunksize=1)
+    P.grad = None
+    got.backward()
+    assert torch.allclose(P.grad, sum(xs)), helps
+    tagged = [x.as_subclass(Tagged) for x in xs]  # results of the script's tensor subclass
+    got = gradmap.tsum(lambda x: (x * P).sum(), tagged, executor=ex, chunksize=1)
+    assert type(got) is Tagged, (helps, type(got))
     P.grad = None
     got.backward()
     assert torch.allclose(P.grad, sum(xs)), helps
