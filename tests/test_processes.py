@@ -524,6 +524,33 @@ def test_swapped_data_and_in_place_constants_are_seen(ex):
     check()
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_tensor_changed_in_place_before_the_backward_raises_as_in_the_loop(ex, remat):
+    """NOTE [tensors changed in place before a backward]: the workers' graphs read ``w`` in
+    shared memory; changed in place after the forward, the backward raises PyTorch's error,
+    as the loop's does, instead of differentiating at the new value. Changed after the
+    backward (an optimizer's step), the next call is as the loop."""
+    w = torch.randn(4, 4, requires_grad=True)
+    scale = torch.full((4,), 2.0)  # a closure tensor that does not require grad, saved too
+    f = lambda x: ((w * w * scale) @ x).tanh().sum()  # noqa: E731
+    xs = [torch.randn(4) for _ in range(8)]
+    for changed in (w, scale):
+        for make in (
+            lambda: sum(loop(f, xs)),
+            lambda: sum(gradmap.tmap(f, xs, executor=ex, chunksize=2, remat=remat)),
+        ):
+            loss = make()
+            with torch.no_grad():
+                changed.mul_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+    with torch.no_grad():
+        w.sub_(0.1)  # between calls: seen, no error
+    ref = torch.autograd.grad(sum(loop(f, xs)), w)
+    got = torch.autograd.grad(sum(gradmap.tmap(f, xs, executor=ex, chunksize=2, remat=remat)), w)
+    close(got, ref)
+
+
 def test_changed_python_closure_is_seen(ex):
     w = torch.randn(3, requires_grad=True)
     state = {"scale": 1.0}

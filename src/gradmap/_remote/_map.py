@@ -82,7 +82,15 @@ from .._torch._sum import scaled_sum, sum_results, unscaled
 from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker, process_wide
 from ._kept import KeptItems, items_cache
-from ._pickling import AsIs, LeafResult, TensorTable, dumps, dumps_results, loads_results
+from ._pickling import (
+    AsIs,
+    LeafResult,
+    TensorTable,
+    dumps,
+    dumps_results,
+    loads_results,
+    version_of,
+)
 from ._schedule import Job, Transport, run_pass
 from ._settings import settings_of
 
@@ -148,11 +156,54 @@ class _Driver(JoinGraph):
         # chunk -> the worker keeping its graph: the release's account, which the finalizer
         # holds (it may not hold the driver)
         self.held: dict[int, int] = {}
+        self.versions: list[
+            tuple[Tensor, int]
+        ] = []  # NOTE [tensors changed in place before a backward]
         self._finalizer = weakref.finalize(self, _release, transport, self.id, self.held)
         self._finalizer.atexit = False
 
     def release(self) -> None:
         self._finalizer()
+
+    def note_versions(self) -> None:
+        """After the forward: the versions of the caller's tensors that the workers read in
+        shared memory (NOTE [tensors changed in place before a backward])."""
+        seen: set[int] = set()
+        for t in self.table.aliased:
+            if id(t) not in seen:
+                seen.add(id(t))
+                self.versions.append((t, version_of(t)))
+
+    def check_versions(self) -> None:
+        """Before pulling back graphs kept on the workers, or recomputing chunks there: raise
+        where a tensor the workers read in shared memory was changed in place since the forward.
+
+        NOTE [tensors changed in place before a backward]:
+            On worker processes, ``f``'s parameters and other tensors are read where they lie,
+            in shared memory, through tensors of the worker's own, whose version counters the
+            caller's in-place changes do not reach. A tensor changed in place between the
+            forward and the backward would be read at its new value by the workers' saved
+            graphs (and by a recompute), and the gradient silently taken at a point the forward
+            never was, where the loop's backward raises PyTorch's error for a tensor it saved.
+            So the driver notes their versions after the forward and checks them before a
+            backward that runs on the workers; like ``remat``'s check (NOTE [a recompute reads
+            what the forward read] in ``_torch/_graph``) it raises even where the loop's
+            backward would not have needed that tensor: gradmap cannot tell. ``tsum``'s chunks
+            of losses, pulled back in the forward, need no check (the threads' ``tsum`` takes
+            them so too). On Ray the workers hold copies: nothing is aliased.
+        """
+        for t, version in self.versions:
+            now = version_of(t)
+            if now != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: a tensor f uses (shape {tuple(t.shape)}) was changed "
+                    f"in place since the forward of {self.api} (its version was {version}, is "
+                    f"now {now}). Its graphs on the worker processes read it in shared memory, so "
+                    "this backward would differentiate at its new values, where the loop's "
+                    "backward raises this error. Change it after the backward, or use "
+                    "executor='threads'."
+                )
 
     def release_all(self) -> None:
         """Release the call on every worker (after a failed pass: calls may still be running)."""
@@ -347,6 +398,8 @@ class _Driver(JoinGraph):
                 start, stop = plan.bounds(k)
                 bar.update(stop - start)
 
+        if jobs:
+            self.check_versions()
         try:
             # Workers update the caller's buffers in shared memory (BatchNorm's running
             # statistics): the forward did, once; the recomputes must not again.
@@ -424,6 +477,8 @@ def map_remote(request: MapRequest) -> Any:
     except BaseException:
         call.release_all()
         raise
+    if graph:
+        call.note_versions()
     transport.learn(f, api, plan.count, plan.n)
     if not graph:
         call.release()

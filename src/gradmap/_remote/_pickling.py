@@ -179,6 +179,9 @@ class TensorTable:
         self._refs: dict[int, tuple[str, int, Any, bool]] = {}
         self._numbers: dict[int, int] = {}
         self.share = share  # for ``f``'s payload only (``dumps(..., share=True)``)
+        #: The caller's tensors that travelled as references to their memory (NOTE [tensors
+        #: changed in place before a backward] in ``_map``).
+        self.aliased: list[Tensor] = []
 
     def ref(self, t: Tensor, share: Share | None = None) -> tuple[str, int, Any, bool]:
         """The reference to ``t``: the same tuple object every time, so that a payload that
@@ -189,6 +192,8 @@ class TensorTable:
             value = None
             if share is not None and t.is_leaf:
                 value = share(t)
+                if value is not None:
+                    self.aliased.append(t)
             if value is None:
                 value = t.detach()
             ref = (_PID_TAG, pid, value, _is_parameter(t))
@@ -323,6 +328,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                 if share is not None:
                     shared = share(obj)
                     if shared is not None:
+                        if self._table is not None:
+                            self._table.aliased.append(obj)
                         self._named(shared)
                         return _identity, (shared,)
                 return _reduce_tensor(obj)
@@ -413,6 +420,7 @@ class _ItemsPickler(pickle.Pickler):
         if share is not None and obj.layout == torch.strided and obj.untyped_storage().is_shared():
             shared = share(obj)
             if shared is not None:
+                self._table.aliased.append(obj)
                 self.shared[shared.key] = shared.storage
                 return _identity, (shared,)
         return _reduce_tensor(obj)
