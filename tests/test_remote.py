@@ -560,6 +560,73 @@ def test_exception_in_backward_names_the_element(remote, ex, api):
 # -- backward: twice, create_graph ------------------------------------------------------------
 
 
+class _ClippedBackward(torch.autograd.Function):
+    """User code in the backward: clips the cotangent it gets (not linear in it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.clamp(-0.01, 0.01)
+
+
+def test_tmap_of_losses_pulled_back_early_gives_the_backwards_bits(remote, ex, monkeypatch):
+    """NOTE [tmap's losses pulled back early]: after a backward that gave every result one
+    cotangent, a map of the same f pulls its chunks of losses back in the forward; a backward
+    with one cotangent again takes those gradients (the bits of the pullback it replaces, the
+    threads' bits), one with other cotangents pulls the kept graphs back as ever, and the next
+    map learns. User code in the backward sees the cotangent the loss brings."""
+    from gradmap._placement import key_of, learn_uniform_cotangents
+    from gradmap._remote import _map
+
+    early: list[bool] = []
+    one_cotangent = _map._Driver.one_cotangent
+
+    def spy(self: Any, cotangents: Any) -> Any:
+        early.append(any(c.ones is not None for c in self.chunks))
+        return one_cotangent(self, cotangents)
+
+    monkeypatch.setattr(_map._Driver, "one_cotangent", spy)
+    s = Setup()
+    xs = ragged(24)
+    wrt = [*s.model.parameters(), s.w, *xs]
+    model, w = s.model, s.w
+    f = lambda x: torch.sin(model(x * w)).mean() ** 2  # noqa: E731
+    weights = torch.arange(1.0, 25.0)
+    losses = {
+        "sum": lambda ys: sum(ys),
+        "mean": lambda ys: torch.stack(ys).mean(),
+        "weighted": lambda ys: (torch.stack(ys) * weights).sum(),
+    }
+
+    def grads(name: str, executor: Any) -> list[torch.Tensor]:
+        ys = (
+            loop(f, xs) if executor is None else gradmap.tmap(f, xs, executor=executor, chunksize=2)
+        )
+        return list(torch.autograd.grad(losses[name](ys), wrt))
+
+    threads = {name: grads(name, "threads") for name in losses}
+    learn_uniform_cotangents(key_of(f), False)  # (learnt per code: the other transports' run)
+    first = grads("sum", ex)  # learns: one cotangent
+    for name in ["sum", "sum", "mean", "weighted", "sum", "sum"]:
+        got = grads(name, ex)
+        _bitwise(got, threads[name]) if name != "mean" else close(got, threads[name])
+        close(got, grads(name, None))
+    _bitwise(first, threads["sum"])
+    # the first map learnt; pulled back early until the weighted backward, learnt again after
+    assert early == [False, True, True, True, True, False, True], early
+    remote.no_state_left()
+
+    clipped = lambda x: _ClippedBackward.apply(torch.sin(model(x * w)).mean()) ** 2  # noqa: E731
+    for _ in range(2):
+        ys = gradmap.tmap(clipped, xs, executor=ex, chunksize=2)
+        got = torch.autograd.grad(torch.stack(ys).mean() * 100, wrt)
+        close(got, torch.autograd.grad(torch.stack(loop(clipped, xs)).mean() * 100, wrt))
+    remote.no_state_left()
+
+
 @pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
 def test_backward_result_by_result_like_loop(remote, ex, remat):
     """``for y in ys: y.backward()``, as in the loop (NOTE [a backward of some results]): the

@@ -90,7 +90,7 @@ def key_of(f: Any) -> Any:
 
 
 class _History:
-    __slots__ = ("caller", "calls", "many", "one", "random")
+    __slots__ = ("caller", "calls", "many", "one", "random", "uniform")
     # calls: maps of this f so far (set back to 1 when its elements changed: measure afresh)
 
     def __init__(self) -> None:
@@ -99,6 +99,7 @@ class _History:
         self.one: float | None = None  # best seconds per element in one thread
         self.many: float | None = None  # best seconds per element on the pool
         self.random = False
+        self.uniform = False  # the latest backward gave every result one cotangent
 
     @property
     def parallel(self) -> bool | None:
@@ -210,9 +211,28 @@ def learn_caller_seconds(f: Any, api: str, seconds_per_element: float) -> None:
         _history_of(f, ("caller", api)).caller = seconds_per_element
 
 
+def uniform_cotangents(key: Any) -> bool:
+    """Whether the latest backward through a ``tmap`` of the ``f`` with this ``key_of`` on
+    worker processes gave all its results one and the same cotangent (``sum(ys).backward()``):
+    NOTE [tmap's losses pulled back early] in ``_remote/_map``."""
+    with _lock:
+        history = _history.get((key, "cotangents"))
+        return history is not None and history.uniform
+
+
+def learn_uniform_cotangents(key: Any, uniform: bool) -> None:
+    """Record what ``uniform_cotangents`` tells."""
+    with _lock:
+        _history_at((key, "cotangents")).uniform = uniform
+
+
 def _history_of(f: Any, kind: Any) -> _History:
     """The history of ``f``'s maps of ``kind``, made if new (under ``_lock``)."""
-    key = (key_of(f), kind)
+    return _history_at((key_of(f), kind))
+
+
+def _history_at(key: Any) -> _History:
+    """The history under ``key``, made if new (under ``_lock``)."""
     history = _history.get(key)
     if history is None:
         if len(_history) >= _MAX_HISTORY:

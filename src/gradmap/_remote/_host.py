@@ -472,13 +472,13 @@ class Host:
         """
         out = self._each_chunk(call_id, box, spec, chunks, self._forward_sum)
         for fold in folds or ():
-            sums = [i for i in fold if type(out[i]) is _Sum]
+            sums = [i for i in fold if type(out[i]) in (_Sum, _Early)]
             if len(sums) > 1:
                 first = out[sums[0]]
                 first.grads = fold_pairs([out[i].grads for i in sums], torch.add)
                 for i in sums[1:]:
                     out[i].grads = []
-        return [self._out(v.value()) if type(v) is _Sum else v for v in out]
+        return [self._out(v.value()) if type(v) in (_Sum, _Early) else v for v in out]
 
     def _forward_sum(self, state: _CallState, k: int, start: int, items: Items) -> Any:
         spec = state.spec
@@ -505,6 +505,8 @@ class Host:
                     for el in record.elements
                 )
             grads = None
+            if losses and spec.api == "gradmap.tmap":  # NOTE [tmap's losses pulled back early]
+                return self._forward_early(state, k, start, record)
             if losses:
                 pids = _pids(state, record)
                 grads = pull_back_sum(record, n=spec.n, owner=state, api=state.api)
@@ -529,6 +531,25 @@ class Host:
         if type(total) is not torch.Tensor:  # (a tensor subclass of the user's script)
             total = self._handed_out([total])[0]
         return _Sum(total, _by_pid(pids, grads), state.seed.drawn)
+
+    def _forward_early(self, state: _CallState, k: int, start: int, record: ChunkRecord) -> Any:
+        """A ``tmap`` chunk of losses run by ``forward_sum``: kept as ``forward`` keeps it, and
+        pulled back with cotangent one now, its graph kept for a backward with other
+        cotangents (NOTE [tmap's losses pulled back early] in ``_map``)."""
+        kept = state.chunks[k] = _Kept(record, _pids(state, record))
+        pids = sorted(set(kept.pids))
+        results, diff = _detached_results(record, state, start)
+        results = self._handed_out(results)
+        ones = tuple(torch.ones_like(t) for t in record.outputs)
+        try:
+            # (under the state the driver's backward sends: the same bits as its pullback)
+            with _backward_state().enter(False), _process_wide(state.spec):
+                grads = pull_back(record, ones, n=state.spec.n, owner=state, api=state.api)
+        except Exception:  # raised again by the backward, which pulls the chunk back as usual
+            grads = None
+        if grads is None or grads is ACCUMULATE or grads is DEFERRED:
+            return self._out((results, diff, pids, state.seed.drawn))
+        return _Early(results, diff, pids, _by_pid(kept.pids, grads), state.seed.drawn)
 
     def recompute(
         self,
@@ -624,6 +645,42 @@ class _Sum:
 
     def value(self) -> tuple[str, Tensor, list[tuple[int, Tensor]], bool]:
         return ("sum", self.total, self.grads, self.drawn)
+
+
+def _backward_state() -> ThreadState:
+    """The thread state of a plain backward (the driver's ``backward`` sends its caller's:
+    grad mode off, and no autocast or inference mode under a usual ``.backward()``)."""
+    state = ThreadState(grad_enabled=False)
+    state.inference = False
+    state.autocast = []
+    return state
+
+
+class _Early:
+    """A ``tmap`` chunk of losses in ``forward_sum``, before its answer is made: its results,
+    and its gradients with cotangent one, which may yet be added up with those of the rest of
+    its group."""
+
+    __slots__ = ("diff", "drawn", "grads", "pids", "results")
+
+    def __init__(
+        self,
+        results: list[Any],
+        diff: Any,
+        pids: list[int],
+        grads: list[tuple[int, Tensor]],
+        drawn: bool,
+    ) -> None:
+        self.results, self.diff, self.pids, self.grads, self.drawn = (
+            results,
+            diff,
+            pids,
+            grads,
+            drawn,
+        )
+
+    def value(self) -> tuple[Any, ...]:
+        return ("early", self.results, self.diff, self.pids, self.drawn, self.grads)
 
 
 def _cotangents(payload: Any, leaves: LeafTable) -> Any:

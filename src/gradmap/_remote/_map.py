@@ -49,6 +49,9 @@ NOTE [the map in other processes]:
       group's came added up) and scales the sum by the cotangent (NOTE [early gradients scaled
       once] in ``_torch/_sum``), with no call to the workers. Other chunks are kept as
       ``tmap``'s.
+    - A ``tmap`` of losses whose backward is learnt to give every result one cotangent (``sum``,
+      ``mean``) is pulled back so too, its graphs kept for a backward that does not (NOTE
+      [tmap's losses pulled back early]).
 
     Not supported in other processes: a ``create_graph=True`` backward through the map (double
     backward), which raises ``NotImplementedError`` naming the thread executor; ``torch.func``
@@ -71,6 +74,7 @@ import torch
 from .._errors import add_note
 from .._executors import RemoteExecutor, SerialExecutor
 from .._join import Spent, groups_of, sum_by_position
+from .._placement import key_of, learn_uniform_cotangents, uniform_cotangents
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._request import MapRequest
@@ -118,6 +122,9 @@ class _Chunk:
     diff: list[list[int]] = field(default_factory=list)  # per element: its join outputs' leaves
     outputs: tuple[int, int] = (0, 0)  # its range among the join's outputs
     early: list[tuple[int, Tensor]] | None = None  # a tsum chunk of losses: its sum's gradients
+    # a tmap chunk of losses: its gradients with cotangent one (NOTE [tmap's losses pulled
+    # back early])
+    ones: list[tuple[int, Tensor]] | None = None
 
 
 class _Driver(JoinGraph):
@@ -147,6 +154,7 @@ class _Driver(JoinGraph):
         self.restart_timeout = executor.start_timeout
         self.remat = remat
         self.f = f if remat else None  # whose buffers the recomputes must leave as they are
+        self.key = key_of(f)  # (what the backward learns of the cotangents is kept under it)
         self.progress = progress
         self.box = transport.box(f_payload)
         self.elements: Sequence[tuple[Any, ...]] = []
@@ -233,6 +241,52 @@ class _Driver(JoinGraph):
         self.spent.spend(cotangents, free=not keep)  # raises for results gone through before
         return self.backward(cotangents, keep)
 
+    def one_cotangent(self, cotangents: tuple[Tensor | None, ...]) -> Tensor | None:
+        """For a ``tmap`` whose chunks of losses were pulled back in the forward: the one
+        cotangent every result got, if they all got the same nonzero one (their early gradients
+        then serve, scaled by it); ``None`` otherwise. What it finds is learnt for the next map
+        of ``f``.
+
+        NOTE [tmap's losses pulled back early]:
+            ``tsum`` pulls each chunk of losses back in its forward, which balances the sides by
+            itself (a chunk's forward and backward run in one call, wherever there is room) and
+            leaves its backward nothing to send. A ``tmap``'s backward goes where each chunk's
+            graph lives instead, so the side that ran more chunks in the forward (the worker:
+            the caller also sends and reads) has more to pull back while the other waits. The
+            usual backward through a ``tmap`` of losses, ``sum(ys)`` or ``stack(ys).mean()``,
+            gives every result one and the same cotangent. So a map of an ``f`` whose latest
+            backward did (learnt per ``f``: ``_placement.uniform_cotangents``) runs its forward
+            with ``forward_sum``: each chunk of losses (0-d real results, no user code in its
+            backward: NOTE [chunks whose backward is user code]) is kept as ``forward`` keeps
+            it, and pulled back with cotangent one at once, by the ``pull_back`` the backward
+            would run (the same bits: a worker adds a group's up as ``tsum``'s). If every result
+            then gets the same nonzero cotangent ``c``, the backward takes those gradients,
+            scaled by ``c`` once as ``tsum``'s are (NOTE [early gradients scaled once]), with
+            no call to the workers, and releases the graphs; otherwise it pulls the kept graphs
+            back as ever (the early work wasted; the next map learns). ``f`` runs once per
+            element either way. The price: each chunk's gradients are kept to the backward (a
+            model whose early gradients would pass ``EARLY_BYTES`` learns nothing), and the
+            graphs are freed at the release, not during the pullback. Measured (2 cores,
+            ``executor="processes"``, early pullback off and on alternated in one process,
+            medians of 7-9): ragged bags 56.2 -> 46.0 ms (``tsum`` 42.1), small bags 98.3 ->
+            91.3, trees 165.4 -> 151.7, a GRU 232.0 -> 227.2, molecules 94.6 -> 95.9 (their
+            backward is then mostly the caller freeing its own chunks' graphs: 4.4 ms).
+        """
+        if self.spec.api != "gradmap.tmap" or not self.spec.graph or self.remat:
+            return None
+        one = None
+        if cotangents and all(
+            c is not None and c.dim() == 0 and c.device.type == "cpu" for c in cotangents
+        ):
+            first = cotangents[0]
+            assert first is not None
+            if bool(first != 0) and bool((torch.stack(cotangents) == first).all()):  # type: ignore[arg-type]
+                one = first
+        # (each chunk's early gradients are kept until the backward: not for a large model)
+        size = sum(_bytes(self.table.tensors[pid]) for pid in self.inputs) * self.plan.count
+        learn_uniform_cotangents(self.key, one is not None and size <= EARLY_BYTES)
+        return one if any(c.ones is not None for c in self.chunks) else None
+
     def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:
         run_pass(
             self.transport,
@@ -314,6 +368,12 @@ class _Driver(JoinGraph):
                 per_chunk[k] = (None, total)
                 self.chunks[k].early = grads
                 used.update(pid for pid, _ in grads)
+            elif got[0] == "early":  # NOTE [tmap's losses pulled back early]
+                _, trees, diff, pids, chunk_drawn, grads = got
+                per_chunk[k] = (trees, diff)
+                self.chunks[k].owner = self.held[k] = a
+                self.chunks[k].ones = grads
+                used.update(pids)
             else:
                 trees, diff, pids, chunk_drawn = got
                 per_chunk[k] = (trees, diff)
@@ -347,10 +407,15 @@ class _Driver(JoinGraph):
         jobs = []
         early_chunks: set[int] = set()
         scale = None
+        one = self.one_cotangent(cotangents)
         for k, record in enumerate(self.chunks):
             lo, hi = record.outputs
             early = record.early
-            if early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
+            if record.ones is not None and one is not None:  # NOTE [tmap's losses pulled
+                scale = None if unscaled(one, keep) else one  # back early]
+                per_chunk[k] = record.ones
+                early_chunks.add(k)
+            elif early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
                 c = cotangents[lo]  # (after the sum: NOTE [early gradients scaled once])
                 if c is not None:
                     scale = None if unscaled(c, kept[k]) else c
@@ -398,7 +463,7 @@ class _Driver(JoinGraph):
                 start, stop = plan.bounds(k)
                 bar.update(stop - start)
 
-        if jobs:
+        if jobs or (one is not None and early_chunks):
             self.check_versions()
         try:
             # Workers update the caller's buffers in shared memory (BatchNorm's running
@@ -473,7 +538,10 @@ def map_remote(request: MapRequest) -> Any:
         raise
     call = _Driver(f, transport, f_payload, spec, table, plan, executor, remat, request.progress)
     try:
-        per_chunk = call.forward(elements, "forward_sum" if summed and graph else "forward")
+        early = not summed and graph and not remat and uniform_cotangents(call.key)
+        per_chunk = call.forward(
+            elements, "forward_sum" if graph and (summed or early) else "forward"
+        )
     except BaseException:
         call.release_all()
         raise
@@ -537,6 +605,15 @@ def map_remote(request: MapRequest) -> Any:
 
 
 _FIRST = (0,)
+
+#: The most bytes of early gradients (one per chunk and tensor the map reaches) a ``tmap`` keeps
+#: from its forward to its backward (NOTE [tmap's losses pulled back early]).
+EARLY_BYTES = 256 * 2**20
+
+
+def _bytes(t: Tensor) -> int:
+    """The bytes of a dense gradient of ``t``."""
+    return t.numel() * t.element_size()
 
 
 def _per_group(chunks: Iterable[int], group: int) -> Counter[int]:
