@@ -9,7 +9,12 @@ NOTE [a pass over the actors]:
     at the end, where they balance the actors' loads -- but at most twice as many as the actor
     had before in the pass, so that its first call (one chunk) starts at once, and at most what
     the transport allows for that actor (``Transport.most``: the caller, when it runs chunks
-    itself, takes one at a time, and answers the workers between two). A batch does not end in
+    itself, takes one at a time, and answers the workers between two). In the last ``END``
+    chunks per actor every call takes one: with two calls in flight, a worker process held two
+    to four chunks when the rest were gone, and the caller, done with its own, waited 5-11 ms of
+    an 85 ms pass for them (message passing on molecules, 2 cores); one at a time, 0-2 ms
+    (``tsum`` / ``tmap`` on processes, A/B in one process, medians of 11: molecules -1.5% / -2.5%,
+    small bags -4% / -3%, trees -1%, ragged bags 0%). A batch does not end in
     the middle of a group of the sum (NOTE [chunk-order sum] in ``_join``) whose next chunk is
     next in the queue: a worker that runs a whole group adds its gradients up and sends them
     once. The caller, whose chunks are not sent anywhere, takes its free chunks from the end of
@@ -123,6 +128,9 @@ class Transport:
 #: A call takes ``1 / (GUIDED * actors)`` of the chunks left.
 GUIDED = 2
 
+#: In a pass's last ``END * actors`` chunks, calls take one chunk each.
+END = 4
+
 
 class Job:
     """One chunk of a pass: ``owner`` is the actor holding its graph, or ``None`` (any actor;
@@ -207,6 +215,8 @@ def run_pass(
         # Guided, but at most twice what the actor had so far: its first call starts at once
         # (the driver pickles a forward's items as it sends them).
         size = max(1, min(-(-len(queue) // (GUIDED * share)), 2 * sent[actor]))
+        if len(queue) <= END * share:
+            size = 1
         limit = most[actor]
         if limit is not None:
             size = min(size, limit)
