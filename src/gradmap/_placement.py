@@ -211,10 +211,16 @@ def learn_caller_seconds(f: Any, api: str, seconds_per_element: float) -> None:
         _history_of(f, ("caller", api)).caller = seconds_per_element
 
 
+#: The most bytes of early gradients (one per chunk and tensor the map reaches) a ``tmap`` keeps
+#: from its forward to its backward (NOTE [tmap's losses pulled back early] in ``_torch/_early``):
+#: past it, nothing is learnt.
+EARLY_BYTES = 256 * 2**20
+
+
 def uniform_cotangents(key: Any) -> bool:
     """Whether the latest backward through a ``tmap`` of the ``f`` with this ``key_of`` on
     worker processes gave all its results one and the same cotangent (``sum(ys).backward()``):
-    NOTE [tmap's losses pulled back early] in ``_remote/_map``."""
+    NOTE [tmap's losses pulled back early] in ``_torch/_early``."""
     with _lock:
         history = _history.get((key, "cotangents"))
         return history is not None and history.uniform

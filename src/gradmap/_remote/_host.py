@@ -35,7 +35,15 @@ import torch
 
 from .._engine import on_a_chunk
 from .._join import fold_pairs
-from .._torch._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
+from .._torch._chunk import (
+    ACCUMULATE,
+    DEFERRED,
+    ChunkRecord,
+    pull_back,
+    pull_back_kept,
+    pull_back_sum,
+    run_forward,
+)
 from .._torch._graph import Known, tensors_in
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
@@ -535,19 +543,15 @@ class Host:
     def _forward_early(self, state: _CallState, k: int, start: int, record: ChunkRecord) -> Any:
         """A ``tmap`` chunk of losses run by ``forward_sum``: kept as ``forward`` keeps it, and
         pulled back with cotangent one now, its graph kept for a backward with other
-        cotangents (NOTE [tmap's losses pulled back early] in ``_map``)."""
+        cotangents (NOTE [tmap's losses pulled back early] in ``_torch/_early``)."""
         kept = state.chunks[k] = _Kept(record, _pids(state, record))
         pids = sorted(set(kept.pids))
         results, diff = _detached_results(record, state, start)
         results = self._handed_out(results)
-        ones = tuple(torch.ones_like(t) for t in record.outputs)
-        try:
-            # (under the state the driver's backward sends: the same bits as its pullback)
-            with _backward_state().enter(False), _process_wide(state.spec):
-                grads = pull_back(record, ones, n=state.spec.n, owner=state, api=state.api)
-        except Exception:  # raised again by the backward, which pulls the chunk back as usual
-            grads = None
-        if grads is None or grads is ACCUMULATE or grads is DEFERRED:
+        # (under the state the driver's backward sends: the same bits as its pullback)
+        with _backward_state().enter(False), _process_wide(state.spec):
+            grads = pull_back_kept(record, owner=state)
+        if grads is None:  # pulled back by the backward, which raises what the loop would
             return self._out((results, diff, pids, state.seed.drawn))
         return _Early(results, diff, pids, _by_pid(kept.pids, grads), state.seed.drawn)
 

@@ -51,7 +51,7 @@ NOTE [the map in other processes]:
       ``tmap``'s.
     - A ``tmap`` of losses whose backward is learnt to give every result one cotangent (``sum``,
       ``mean``) is pulled back so too, its graphs kept for a backward that does not (NOTE
-      [tmap's losses pulled back early]).
+      [tmap's losses pulled back early] in ``_torch/_early``).
 
     Not supported in other processes: a ``create_graph=True`` backward through the map (double
     backward), which raises ``NotImplementedError`` naming the thread executor; ``torch.func``
@@ -74,15 +74,16 @@ import torch
 from .._errors import add_note
 from .._executors import RemoteExecutor, SerialExecutor
 from .._join import Spent, groups_of, sum_by_position
-from .._placement import key_of, learn_uniform_cotangents, uniform_cotangents
+from .._placement import EARLY_BYTES, key_of, learn_uniform_cotangents, uniform_cotangents
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._request import MapRequest
+from .._torch._early import one_cotangent, scaled_sum, unscaled
 from .._torch._graph import batched, buffers_kept, caller_only, keep_graph
 from .._torch._map import map_torch
 from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
-from .._torch._sum import scaled_sum, sum_results, unscaled
+from .._torch._sum import sum_results
 from .._tree import flatten, unflatten
 from ._host import CallSpec, draw_base, in_worker, process_wide
 from ._kept import KeptItems, items_cache
@@ -245,43 +246,10 @@ class _Driver(JoinGraph):
         """For a ``tmap`` whose chunks of losses were pulled back in the forward: the one
         cotangent every result got, if they all got the same nonzero one (their early gradients
         then serve, scaled by it); ``None`` otherwise. What it finds is learnt for the next map
-        of ``f``.
-
-        NOTE [tmap's losses pulled back early]:
-            ``tsum`` pulls each chunk of losses back in its forward, which balances the sides by
-            itself (a chunk's forward and backward run in one call, wherever there is room) and
-            leaves its backward nothing to send. A ``tmap``'s backward goes where each chunk's
-            graph lives instead, so the side that ran more chunks in the forward (the worker:
-            the caller also sends and reads) has more to pull back while the other waits. The
-            usual backward through a ``tmap`` of losses, ``sum(ys)`` or ``stack(ys).mean()``,
-            gives every result one and the same cotangent. So a map of an ``f`` whose latest
-            backward did (learnt per ``f``: ``_placement.uniform_cotangents``) runs its forward
-            with ``forward_sum``: each chunk of losses (0-d real results, no user code in its
-            backward: NOTE [chunks whose backward is user code]) is kept as ``forward`` keeps
-            it, and pulled back with cotangent one at once, by the ``pull_back`` the backward
-            would run (the same bits: a worker adds a group's up as ``tsum``'s). If every result
-            then gets the same nonzero cotangent ``c``, the backward takes those gradients,
-            scaled by ``c`` once as ``tsum``'s are (NOTE [early gradients scaled once]), with
-            no call to the workers, and releases the graphs; otherwise it pulls the kept graphs
-            back as ever (the early work wasted; the next map learns). ``f`` runs once per
-            element either way. The price: each chunk's gradients are kept to the backward (a
-            model whose early gradients would pass ``EARLY_BYTES`` learns nothing), and the
-            graphs are freed at the release, not during the pullback. Measured (2 cores,
-            ``executor="processes"``, early pullback off and on alternated in one process,
-            medians of 7-9): ragged bags 56.2 -> 46.0 ms (``tsum`` 42.1), small bags 98.3 ->
-            91.3, trees 165.4 -> 151.7, a GRU 232.0 -> 227.2, molecules 94.6 -> 95.9 (their
-            backward is then mostly the caller freeing its own chunks' graphs: 4.4 ms).
-        """
+        of ``f`` (NOTE [tmap's losses pulled back early] in ``_torch/_early``)."""
         if self.spec.api != "gradmap.tmap" or not self.spec.graph or self.remat:
             return None
-        one = None
-        if cotangents and all(
-            c is not None and c.dim() == 0 and c.device.type == "cpu" for c in cotangents
-        ):
-            first = cotangents[0]
-            assert first is not None
-            if bool(first != 0) and bool((torch.stack(cotangents) == first).all()):  # type: ignore[arg-type]
-                one = first
+        one = one_cotangent(cotangents)
         # (each chunk's early gradients are kept until the backward: not for a large model)
         size = sum(_bytes(self.table.tensors[pid]) for pid in self.inputs) * self.plan.count
         learn_uniform_cotangents(self.key, one is not None and size <= EARLY_BYTES)
@@ -368,7 +336,7 @@ class _Driver(JoinGraph):
                 per_chunk[k] = (None, total)
                 self.chunks[k].early = grads
                 used.update(pid for pid, _ in grads)
-            elif got[0] == "early":  # NOTE [tmap's losses pulled back early]
+            elif got[0] == "early":  # NOTE [tmap's losses pulled back early] (``_torch/_early``)
                 _, trees, diff, pids, chunk_drawn, grads = got
                 per_chunk[k] = (trees, diff)
                 self.chunks[k].owner = self.held[k] = a
@@ -605,10 +573,6 @@ def map_remote(request: MapRequest) -> Any:
 
 
 _FIRST = (0,)
-
-#: The most bytes of early gradients (one per chunk and tensor the map reaches) a ``tmap`` keeps
-#: from its forward to its backward (NOTE [tmap's losses pulled back early]).
-EARLY_BYTES = 256 * 2**20
 
 
 def _bytes(t: Tensor) -> int:

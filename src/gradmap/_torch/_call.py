@@ -31,7 +31,7 @@ CALLER = SerialExecutor()
 class MapCall:
     """One call of ``tmap``/``tsum``: what every pass needs."""
 
-    def __init__(self, request: MapRequest) -> None:
+    def __init__(self, request: MapRequest, early: bool = False) -> None:
         f, elements, executor = request.f, request.elements, request.executor
         self.f: Callable[..., Any] | None = f
         self.elements: Sequence[tuple[Any, ...]] | None = elements
@@ -54,7 +54,9 @@ class MapCall:
             forced_many=request.placement == "many",
             forced_one=request.placement == "one",
             # maps of one f over counts within a factor of two share a history
-            kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length()),
+            # (``early``: a tmap whose forward pulls back too, NOTE [tmap's losses pulled back
+            # early] in ``_remote/_map``, is timed apart)
+            kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
         self.known: Known | None = None
         self.owner = object()  # what this map's blocking hooks answer to

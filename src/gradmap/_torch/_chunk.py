@@ -27,6 +27,7 @@ from ._graph import (
     reaches,
     sequence_nr,
 )
+from ._native import native
 from ._random import MapRandom
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "ChunkRecord",
     "nonzero_stacked",
     "pull_back",
+    "pull_back_kept",
     "pull_back_sum",
     "run_forward",
 ]
@@ -620,6 +622,35 @@ def pull_back_sum(
     finally:
         if hooks is not None:
             hooks.remove()
+
+
+def pull_back_kept(record: ChunkRecord, *, owner: object) -> list[Tensor | None] | None:
+    """The gradients of a chunk of losses (0-d outputs) with cotangent one, its graph kept for
+    a backward with other cotangents (NOTE [tmap's losses pulled back early] in
+    ``_early``); ``None`` where that is not done here: the backward then pulls the chunk
+    back as ever, and raises there what the loop's backward would (a failure here leaves the
+    retained graph whole).
+
+    One root, the stacked sum of the losses, as ``pull_back_sum`` takes: each loss gets
+    cotangent one all the same, and the engine runs the chunk's nodes in the order it would from
+    the losses themselves -- the bits of ``pull_back`` with ones, which the tests check -- with
+    less work in the engine and less Python under the GIL."""
+    outs = record.outputs
+    if native() is None or record.boundary.nodes or not outs:
+        # The Python walk: it does not see hooks on tensors f made (NOTE [chunks whose backward
+        # is user code]), which would run now, with cotangent one; and its non-leaf boundary is
+        # blocked only once the join exists.
+        return None
+    try:
+        if len(outs) > 1 and len({(t.dtype, t.device) for t in outs}) == 1:
+            with torch.enable_grad():
+                roots = [torch.stack(outs).sum()]
+        else:
+            roots = list(outs)
+        ones = [torch.ones_like(t) for t in roots]
+        return _grad(roots, record.boundary.inputs, ones, create_graph=False, owner=owner)
+    except Exception:
+        return None
 
 
 def _grad(

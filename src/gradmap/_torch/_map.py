@@ -23,10 +23,12 @@ import torch
 
 from .._engine import ChunkRun
 from .._join import JoinLayout, Spent, sum_in_chunk_order
+from .._placement import EARLY_BYTES, key_of, learn_uniform_cotangents, uniform_cotangents
 from .._request import MapRequest
 from .._tree import fill_leaves
 from ._call import CALLER, MapCall
 from ._chunk import ACCUMULATE, ChunkRecord, nonzero_stacked, pull_back
+from ._early import forward_pulled_back, one_cotangent, scaled_sum, unscaled
 from ._graph import (
     BlockHooks,
     Known,
@@ -53,22 +55,37 @@ def map_torch(request: MapRequest) -> list[Any]:
     f, elements = request.f, request.elements
     if caller_only() is not None:  # NOTE [state only the caller's thread has]
         return [f(*args) for args in elements]
-    call = MapCall(request)
-    with_graph = torch.is_grad_enabled() and not call.state.inference
+    with_graph = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    # NOTE [tmap's losses pulled back early] (``_early``)
+    early = (
+        with_graph
+        and not request.remat
+        and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+        and uniform_cotangents(key_of(f))
+    )
+    call = MapCall(request, early=early)
     if with_graph:
         call.known = Known(f, elements, eager=call.off_caller)
+    if early:
+        pairs = forward_pulled_back(call, keep_graphs=True)
+        return _join(call, [r for r, _ in pairs], [g for _, g in pairs])
     records = call.forward(with_graph)
     if not with_graph:
         return [y for r in records for y in r.plain_results()]
     return _join(call, records)
 
 
-def _join(call: MapCall, records: list[ChunkRecord]) -> list[Any]:
-    """Wire the chunks' results into the caller's graph through one join node."""
+def _join(
+    call: MapCall,
+    records: list[ChunkRecord],
+    early: list[list[Tensor | None] | None] | None = None,
+) -> list[Any]:
+    """Wire the chunks' results into the caller's graph through one join node (``early``: each
+    chunk's gradients with cotangent one, where it was pulled back in the forward)."""
     layout = layout_of(records)
     outputs = [t for r in records for t in r.outputs]
     if outputs and layout.inputs:
-        graph = MapGraph(call, records, layout)
+        graph = MapGraph(call, records, layout, early)
         joined: Sequence[Tensor] = JoinNode.apply(graph, *layout.inputs)
         graph.retained = _retained(records, joined, look=not call.gated)
     else:
@@ -126,10 +143,19 @@ def _retained(
 class MapGraph(JoinGraph):
     """The state shared by the join node's forward and backward."""
 
-    def __init__(self, call: MapCall, records: list[ChunkRecord], layout: JoinLayout[Tensor]):
+    def __init__(
+        self,
+        call: MapCall,
+        records: list[ChunkRecord],
+        layout: JoinLayout[Tensor],
+        early: list[list[Tensor | None] | None] | None = None,
+    ):
         self.call = call
         self.records: list[ChunkRecord] | None = records
         self.layout = layout
+        #: NOTE [tmap's losses pulled back early]: each chunk's gradients with cotangent one.
+        self.ones = early
+        self.key = key_of(call.f)
         self.outputs = [t for r in records for t in r.outputs]
         self.spent = Spent(len(self.outputs))
         #: NOTE [results that retain their gradient]: (the join output, the result) pairs.
@@ -168,8 +194,18 @@ class MapGraph(JoinGraph):
         # engine's threads wanted (py-spy, ragged bags: a tenth of the pullbacks' GIL time).
         under_vmap = batched(cotangents)
         nonzero = nonzero_stacked(cotangents) if fresh is None and not under_vmap else None
+        one = None if create_graph or under_vmap else one_cotangent(cotangents)
+        if call.api == "gradmap.tmap" and not call.remat:
+            size = sum(t.numel() * t.element_size() for t in layout.inputs) * len(records)
+            learn_uniform_cotangents(self.key, one is not None and size <= EARLY_BYTES)
+        early = self.ones if one is not None and fresh is None and not self.retained else None
+        scale = None if one is None or unscaled(one, not free_graph) else one
+        early_chunks: set[int] = set()
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
+            if early is not None and early[k] is not None:
+                early_chunks.add(k)
+                return early[k]
             return pull_back(
                 records[k],
                 chunk_cotangents(k),
@@ -198,6 +234,9 @@ class MapGraph(JoinGraph):
             create_graph=create_graph,
             recomputes=fresh is not None,
             batched=under_vmap,
+            add_up=None
+            if early is None
+            else (lambda per_chunk: scaled_sum(per_chunk, early_chunks, scale, self.sum_chunks)),
         )
 
     def chunk_spent(self, k: int) -> bool:
@@ -265,6 +304,7 @@ class MapGraph(JoinGraph):
             if self.spent.left == 0:
                 self.retained = []
                 self.records = None
+                self.ones = None
                 call.free()
                 self._remove_hooks()
             else:  # a backward of some results: the chunks whose results are all gone through

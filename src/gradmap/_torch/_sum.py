@@ -4,26 +4,22 @@ pulls back during the forward]), the sum in element and chunk order, and the sum
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._engine import ChunkRun, run_pipeline
+from .._engine import ChunkRun
 from .._join import JoinLayout, Spent
-from .._progress import open_progress
 from .._request import MapRequest
 from .._tree import flatten, unflatten
 from ._call import MapCall
-from ._chunk import ACCUMULATE, DEFERRED, ChunkRecord, pull_back, pull_back_sum, run_forward
-from ._graph import Known, batched, caller_only, hooked, keep_graph
+from ._chunk import ChunkRecord, pull_back
+from ._early import forward_pulled_back, scaled_sum, unscaled
+from ._graph import Known, batched, caller_only, keep_graph
 from ._map import MapGraph, map_torch
 from ._node import JoinNode, layout_of
-from ._random import MapRandom, moved_by
-from ._state import ThreadState
 
-__all__ = ["scaled_sum", "sum_results", "sum_torch", "unscaled"]
+__all__ = ["sum_results", "sum_torch"]
 
 Tensor = torch.Tensor
 
@@ -51,134 +47,7 @@ def sum_torch(request: MapRequest) -> Any:
         results = [y for r in records for y in r.plain_results()]
         return sum_results(results, [r.count() for r in records])
     call.known = Known(request.f, request.elements, eager=call.off_caller)
-    return _sum_join(call, _forward_pulled_back(call))
-
-
-def unscaled(cotangent: Tensor, keep: bool) -> bool:
-    """Whether the early gradients of a sum's chunks are handed on as they are for this
-    cotangent of the sum: it is one (``loss.backward()``, the most common case; ``g * 1`` is
-    ``g``, bit for bit), so no product per chunk and parameter -- unless the graph is kept
-    (``keep``) for another backward, which must not see what a user's in-place change to a
-    returned gradient did to them."""
-    return (
-        not keep
-        and not batched((cotangent,))
-        and cotangent.numel() == 1
-        and cotangent.device.type == "cpu"
-        and bool(cotangent == 1)
-    )
-
-
-def _loss_like(record: ChunkRecord) -> bool:
-    """Whether every element returned one real 0-d tensor (requiring grad or not). (A complex
-    loss's pullback is not complex-linear in its cotangent, ``conj`` being in the graph: no
-    early pullback scaled later.)"""
-    if record.results is not None:
-        return all(y.dim() == 0 and not y.is_complex() for y in record.results)
-    return all(
-        len(el.leaves) == 1 and (not el.diff or _real_scalar(record.outputs[el.outputs[0]]))
-        for el in record.elements
-    )
-
-
-def _real_scalar(t: Tensor) -> bool:
-    return t.dim() == 0 and not t.is_complex()
-
-
-def _forward_pulled_back(call: MapCall) -> list[tuple[ChunkRecord, list[Tensor | None] | None]]:
-    """Every chunk's forward, each loss-like chunk pulled back with cotangent one at once."""
-    f, elements, plan = call.f, call.elements, call.plan
-    assert f is not None and elements is not None
-    placement = call.placement
-    call.random.each = placement.seeds_each or call.remat  # a recompute replays each
-    call.versions_before(True)
-
-    def forward(k: int, stopped: Callable[[], bool], seeded: MapRandom | None) -> ChunkRecord:
-        return run_forward(
-            f,
-            elements,
-            range(*plan.bounds(k)),
-            known=call.known,
-            random=seeded,
-            stop=stopped,
-            api=call.api,
-        )
-
-    def early(
-        k: int, record: ChunkRecord, pulled: deque[ChunkRecord] | None = None
-    ) -> tuple[ChunkRecord, list[Tensor | None] | None]:
-        # A boundary tensor's own hooks (and retained gradient) are set aside only around the
-        # sum's backward (``hooks_quiet``): such chunks are pulled back there.
-        hooks = not call.gated and hooked(record.boundary.tensors)
-        # NOTE [chunks whose backward is user code] in ``_graph``: pulled back in the backward
-        hooks = hooks or record.boundary.user
-        if not record.stored or not _loss_like(record) or hooks:
-            if call.remat:
-                record.drop_graph()
-            return record, None
-        keep = pulled is not None
-        grads = pull_back_sum(record, n=call.n, owner=call.owner, keep_graph=keep, api=call.api)
-        if grads is ACCUMULATE or grads is DEFERRED:  # pulled back (recomputed) in the backward
-            return record, None
-        if pulled is not None:
-            pulled.append(record)
-        else:
-            record.drop_graph()
-        return record, grads
-
-    def pipeline() -> Any:
-        bar = open_progress(call.progress, "forward", plan.n, call.api)
-        backward_state = ThreadState(grad_enabled=False)
-        # NOTE [graphs freed by the producer]: freeing a graph takes the GIL for every tensor
-        # with a Python object it frees; done by the pullbacks' threads, it fought the forward
-        # for the GIL (a raw experiment: a forward 1.4-1.9x slower alongside). So pullbacks keep
-        # their graph, and the producer drops the graphs of pulled-back chunks between its
-        # forwards. Measured A/B (2 cores, tsum vs the 1-thread loop, medians of 7-9): tree
-        # 1.63-1.65x against 1.48-1.49x, small bags 1.22-1.23x against 1.02-1.21x, ragged bags
-        # 1.16-1.22x against 1.26-1.32x (large tensors, few Python objects: freeing them costs
-        # the producer).
-        pulled: deque[ChunkRecord] = deque()
-
-        def drop_pulled() -> None:
-            while pulled:
-                pulled.popleft().drop_graph()
-
-        def produce(k: int, stopped: Callable[[], bool]) -> ChunkRecord:
-            drop_pulled()
-            record = forward(k, stopped, call.random)
-            if bar is not None:
-                bar.update(len(range(*plan.bounds(k))))
-            return record
-
-        try:
-            with call.random.seeding():
-                return run_pipeline(
-                    call.executor,
-                    plan.count,
-                    produce,
-                    lambda k, record: early(k, record, pulled),
-                    context=backward_state.enter,
-                    produce_context=call.state.enter,
-                )
-        finally:
-            drop_pulled()
-            if bar is not None:
-                bar.close()
-
-    if placement.many:
-
-        def both(k: int, run: ChunkRun[Any]) -> Any:
-            return early(k, forward(k, lambda: run.stopped(k), None))
-
-        out, drew = moved_by(
-            lambda: placement.timed(lambda: call.run_pass("forward", both), call.n)
-        )
-        placement.learned_random(drew)
-    else:
-        out = placement.timed(pipeline, call.n)
-    placement.learned_random(call.random.drew)
-    call.note_versions(True)
-    return out  # type: ignore[return-value]
+    return _sum_join(call, forward_pulled_back(call))
 
 
 def sum_results(
@@ -336,26 +205,6 @@ def _shape(value: Any) -> str:
 
 class _SumJoin(JoinNode):
     """The sum's join (named apart from the map's in ``grad_fn``)."""
-
-
-def scaled_sum(
-    per_chunk: list[Any],
-    early: set[int],
-    scale: Tensor | None,
-    add_up: Callable[[list[Any]], list[Tensor | None]],
-) -> list[Tensor | None]:
-    """A sum's gradients: the early chunks' (``early``: their indices) added up and multiplied
-    by ``scale`` (``None``: one), then the other chunks' added to that (NOTE [early gradients
-    scaled once]). ``add_up``: the fixed-order sum of a list of per-chunk gradients."""
-    if not early:
-        return add_up(per_chunk)
-    first = add_up([g if k in early else None for k, g in enumerate(per_chunk)])
-    if scale is not None:
-        first = [None if g is None else g * scale for g in first]
-    if len(early) == len(per_chunk):
-        return first
-    rest = add_up([None if k in early else g for k, g in enumerate(per_chunk)])
-    return [b if a is None else a if b is None else a + b for a, b in zip(first, rest)]
 
 
 class _SumGraph(MapGraph):
