@@ -72,7 +72,10 @@ def test_learnt_then_pulled_back_early_with_the_backwards_bits(tmap_kwargs, earl
         close(got, grads(name, loop))
         if name == "sum":
             assert all(torch.equal(a, b) for a, b in zip(got, first))
-    assert early == [False, True, True, True, False, True], early
+    if tmap_kwargs["executor"] == "serial":  # one thread: nothing to overlap, not done
+        assert not any(early), early
+    else:
+        assert early == [False, True, True, True, False, True], early
 
 
 @pytest.mark.parametrize("user", ["hook", "function"])
@@ -137,7 +140,7 @@ def test_a_backward_error_is_raised_by_the_backward_naming_the_element(tmap_kwar
         torch.autograd.grad(sum(ys), w)
     assert any(f"element 5 (of {len(xs)})" in n for n in info.value.__notes__)
     if native_walk():
-        assert early[-1], early
+        assert early[-1] is (tmap_kwargs["executor"] != "serial"), early
 
 
 def test_retained_results_and_the_python_walk_take_the_backward(tmap_kwargs, early):

@@ -12,10 +12,11 @@ NOTE [tmap's losses pulled back early]:
     sends and reads) has more to pull back while the other waits. Yet the usual backward
     through a ``tmap`` of losses, ``sum(ys)`` or ``stack(ys).mean()``, gives every result one
     and the same cotangent. So a map of an ``f`` whose latest backward did (learnt per ``f``:
-    ``_placement.uniform_cotangents``; not under ``remat`` or autocast) pulls each chunk of
-    losses (0-d real results, no user code in its backward: NOTE [chunks whose backward is user
-    code]; the native walk only, since the Python walk does not see hooks on tensors ``f``
-    makes) back with cotangent one at once, as ``tsum`` does, and keeps its graph
+    ``_placement.uniform_cotangents``; not under ``remat`` or autocast, nor on one thread,
+    where it would overlap nothing: the serial executor stays the plain reference) pulls each
+    chunk of losses (0-d real results, no user code in its backward: NOTE [chunks whose
+    backward is user code]; the native walk only, since the Python walk does not see hooks on
+    tensors ``f`` makes) back with cotangent one at once, as ``tsum`` does, and keeps its graph
     (``pull_back_kept``; on processes the host's ``forward_sum`` does it). If every result then
     gets the same nonzero cotangent ``c``, the backward takes those gradients, scaled by ``c``
     once as ``tsum``'s are (NOTE [early gradients scaled once] in ``_sum``), with no pullback;

@@ -59,6 +59,7 @@ def map_torch(request: MapRequest) -> list[Any]:
     # NOTE [tmap's losses pulled back early] (``_early``)
     early = (
         with_graph
+        and request.executor.workers > 1  # (in one thread it would overlap nothing)
         and not request.remat
         and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
         and uniform_cotangents(key_of(f))
