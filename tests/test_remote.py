@@ -26,7 +26,7 @@ import torch
 import gradmap
 
 import support
-from support import Boom, Setup, close, loop, loop_sum, noisy, notes, ragged, works
+from support import Boom, Setup, close, loop, loop_sum, native_walk, noisy, notes, ragged, works
 
 # Ray starts its processes with subprocess (fork + exec at once), which JAX, if an earlier test
 # module imported it, warns about; nothing runs between the fork and the exec.
@@ -616,7 +616,8 @@ def test_tmap_of_losses_pulled_back_early_gives_the_backwards_bits(remote, ex, m
         close(got, grads(name, None))
     _bitwise(first, threads["sum"])
     # the first map learnt; pulled back early until the weighted backward, learnt again after
-    assert early == [False, True, True, True, True, False, True], early
+    # (the native walk only: the Python walk does not see hooks on tensors f makes)
+    assert early == ([False, True, True, True, True, False, True] if native_walk() else [False] * 7)
     remote.no_state_left()
 
     clipped = lambda x: _ClippedBackward.apply(torch.sin(model(x * w)).mean()) ** 2  # noqa: E731
