@@ -165,3 +165,19 @@ def test_retained_results_and_the_python_walk_take_the_backward(tmap_kwargs, ear
         for _ in range(3):
             torch.autograd.grad(sum(gradmap.tmap(g, xs, **tmap_kwargs)), list(model.parameters()))
     assert early[-3:] == [False, False, False], early
+
+
+def test_maps_never_pulled_back_leave_the_next_without(tmap_kwargs, early):
+    """An evaluation with grad mode on (results never pulled back) between training steps: the
+    map after it pulls back nothing early (nothing would use it), and learns again."""
+    if not native_walk() or tmap_kwargs["executor"] == "serial":
+        pytest.skip("no early pullback here")
+    model, w, xs = _model()
+    f = _fresh(lambda x: torch.sin(model(x * w)).mean())
+    wrt = list(model.parameters())
+    for evaluate in [False, False, True, False, False]:
+        ys = gradmap.tmap(f, xs, **tmap_kwargs)
+        if not evaluate:
+            torch.autograd.grad(sum(ys), wrt)
+        del ys
+    assert early == [False, True, False, True], early

@@ -218,12 +218,17 @@ EARLY_BYTES = 256 * 2**20
 
 
 def uniform_cotangents(key: Any) -> bool:
-    """Whether the latest backward through a ``tmap`` of the ``f`` with this ``key_of`` on
-    worker processes gave all its results one and the same cotangent (``sum(ys).backward()``):
-    NOTE [tmap's losses pulled back early] in ``_torch/_early``."""
+    """Whether the latest backward through a ``tmap`` of the ``f`` with this ``key_of`` gave all
+    its results one and the same cotangent (``sum(ys).backward()``): NOTE [tmap's losses pulled
+    back early] in ``_torch/_early``. Asking takes the answer: the map that then pulls back
+    early learns it again from its own backward, so that maps never pulled back (an evaluation
+    with grad mode on) leave the next map without an early pullback that nothing would use."""
     with _lock:
         history = _history.get((key, "cotangents"))
-        return history is not None and history.uniform
+        if history is None or not history.uniform:
+            return False
+        history.uniform = False
+        return True
 
 
 def learn_uniform_cotangents(key: Any, uniform: bool) -> None:

@@ -21,7 +21,9 @@ NOTE [tmap's losses pulled back early]:
     gets the same nonzero cotangent ``c``, the backward takes those gradients, scaled by ``c``
     once as ``tsum``'s are (NOTE [early gradients scaled once] in ``_sum``), with no pullback;
     otherwise it pulls the kept graphs back as ever (the early work wasted; the next map
-    learns). ``f`` runs once per element either way; with ``c`` one the gradients are the bits
+    learns). The map that pulls back early takes what was learnt, and its own backward learns it
+    again: a map never pulled back (an evaluation with grad mode on) leaves the next one
+    without. ``f`` runs once per element either way; with ``c`` one the gradients are the bits
     the backward's pullbacks give (one root, as ``pull_back_sum``'s, gives each loss cotangent
     one all the same: the tests check it). The price: each chunk's gradients are kept to the
     backward (a model whose early gradients would pass ``EARLY_BYTES`` learns nothing), and
