@@ -78,6 +78,7 @@ from .._placement import EARLY_BYTES, key_of, learn_uniform_cotangents, uniform_
 from .._plan import ChunkPlan
 from .._progress import open_progress
 from .._request import MapRequest
+from .._torch._chunk import stack_small
 from .._torch._early import one_cotangent, scaled_sum, unscaled
 from .._torch._graph import batched, buffers_kept, caller_only, keep_graph
 from .._torch._map import map_torch
@@ -249,7 +250,7 @@ class _Driver(JoinGraph):
         of ``f`` (NOTE [tmap's losses pulled back early] in ``_torch/_early``)."""
         if self.spec.api != "gradmap.tmap" or not self.spec.graph or self.remat:
             return None
-        one = one_cotangent(cotangents)
+        one = one_cotangent(cotangents, stack_small(cotangents))
         # (each chunk's early gradients are kept until the backward: not for a large model)
         size = sum(_bytes(self.table.tensors[pid]) for pid in self.inputs) * self.plan.count
         learn_uniform_cotangents(self.key, one is not None and size <= EARLY_BYTES)

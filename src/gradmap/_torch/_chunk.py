@@ -35,6 +35,7 @@ __all__ = [
     "DEFERRED",
     "ChunkRecord",
     "nonzero_stacked",
+    "stack_small",
     "pull_back",
     "pull_back_kept",
     "pull_back_sum",
@@ -380,11 +381,12 @@ def _nonzero(g: Tensor) -> bool:
 _STACKED_MAX = 256
 
 
-def nonzero_stacked(cotangents: Sequence[Tensor | None]) -> list[bool] | None:
-    """Whether each cotangent is nonzero, for the common case: small cotangents of one shape,
-    dtype and device (a map's losses, a stacked result's rows), in one stack without reading
-    each one's attributes; ``None`` for any other. (Large ones are not copied into one buffer:
-    each one's own check is cheap beside it.)"""
+def stack_small(cotangents: Sequence[Tensor | None]) -> Tensor | None:
+    """The common case of a map's cotangents -- small ones of one shape, dtype and device (a
+    map's losses, a stacked result's rows) -- in one stack, read without each one's attributes;
+    ``None`` for any other. (Large ones are not copied into one buffer: each one's own check is
+    cheap beside it.) A stack that requires grad (a ``create_graph`` backward differentiates
+    through its cotangents) is ``None`` too."""
     first = cotangents[0] if cotangents else None
     if len(cotangents) >= 4 and first is not None and first.numel() <= _STACKED_MAX:
         try:
@@ -394,11 +396,23 @@ def nonzero_stacked(cotangents: Sequence[Tensor | None]) -> list[bool] | None:
         if (
             stacked.layout == torch.strided
             and stacked.device.type == "cpu"
-            and not any(g.requires_grad for g in cotangents)  # type: ignore[union-attr]
+            and not stacked.requires_grad
         ):
-            flags: list[bool] = stacked.reshape(len(cotangents), -1).ne(0).any(1).tolist()
-            return flags
+            return stacked
     return None
+
+
+def nonzero_stacked(
+    cotangents: Sequence[Tensor | None], stacked: Tensor | None = None
+) -> list[bool] | None:
+    """Whether each cotangent is nonzero, from their ``stack_small`` (``stacked``, if taken
+    already); ``None`` where they do not stack."""
+    if stacked is None:
+        stacked = stack_small(cotangents)
+    if stacked is None:
+        return None
+    flags: list[bool] = stacked.reshape(len(cotangents), -1).ne(0).any(1).tolist()
+    return flags
 
 
 def _nonzero_all(cotangents: Sequence[Tensor | None]) -> list[bool]:

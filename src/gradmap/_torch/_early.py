@@ -82,19 +82,26 @@ def unscaled(cotangent: Tensor, keep: bool) -> bool:
     )
 
 
-def one_cotangent(cotangents: Sequence[Tensor | None]) -> Tensor | None:
+def one_cotangent(
+    cotangents: Sequence[Tensor | None], stacked: Tensor | None = None
+) -> Tensor | None:
     """The one cotangent every result of a map got, if they all got the same nonzero 0-d one
     on the CPU (``sum(ys)``, ``stack(ys).mean()``); ``None`` otherwise (NOTE [tmap's losses
-    pulled back early])."""
-    if not cotangents or not all(
-        c is not None and c.dim() == 0 and c.device.type == "cpu" for c in cotangents
-    ):
+    pulled back early]). ``stacked``: their ``stack_small``, if taken already (a map of many
+    losses then reads no cotangent's attributes one by one)."""
+    if not cotangents:
+        return None
+    if stacked is None:
+        if not all(c is not None and c.dim() == 0 and c.device.type == "cpu" for c in cotangents):
+            return None
+        stacked = torch.stack(cotangents)  # type: ignore[arg-type]
+    elif stacked.dim() != 1:  # (not 0-d)
         return None
     first = cotangents[0]
     assert first is not None
-    if batched((first,)) or not bool(first != 0):
+    if batched((first,)) or not bool(stacked[0] != 0):
         return None
-    if len(cotangents) > 1 and not bool((torch.stack(cotangents) == first).all()):  # type: ignore[arg-type]
+    if len(cotangents) > 1 and not bool((stacked == stacked[0]).all()):
         return None
     return first
 

@@ -27,7 +27,7 @@ from .._placement import EARLY_BYTES, key_of, learn_uniform_cotangents, uniform_
 from .._request import MapRequest
 from .._tree import fill_leaves
 from ._call import CALLER, MapCall
-from ._chunk import ACCUMULATE, ChunkRecord, nonzero_stacked, pull_back
+from ._chunk import ACCUMULATE, ChunkRecord, nonzero_stacked, pull_back, stack_small
 from ._early import forward_pulled_back, one_cotangent, scaled_sum, unscaled
 from ._graph import (
     BlockHooks,
@@ -194,8 +194,11 @@ class MapGraph(JoinGraph):
         # chunk in the pullbacks' threads: five small ops per chunk there held the GIL the
         # engine's threads wanted (py-spy, ragged bags: a tenth of the pullbacks' GIL time).
         under_vmap = batched(cotangents)
-        nonzero = nonzero_stacked(cotangents) if fresh is None and not under_vmap else None
-        one = None if create_graph or under_vmap else one_cotangent(cotangents)
+        stacked = None if under_vmap else stack_small(cotangents)
+        nonzero = (
+            None if fresh is not None or stacked is None else nonzero_stacked(cotangents, stacked)
+        )
+        one = None if create_graph or under_vmap else one_cotangent(cotangents, stacked)
         if call.api == "gradmap.tmap" and not call.remat:
             size = sum(t.numel() * t.element_size() for t in layout.inputs) * len(records)
             learn_uniform_cotangents(self.key, one is not None and size <= EARLY_BYTES)
