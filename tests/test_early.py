@@ -181,3 +181,17 @@ def test_maps_never_pulled_back_leave_the_next_without(tmap_kwargs, early):
             torch.autograd.grad(sum(ys), wrt)
         del ys
     assert early == [False, True, False, True], early
+
+
+def test_a_model_whose_early_gradients_would_pass_the_budget_learns_nothing(
+    tmap_kwargs, early, monkeypatch
+):
+    """A gradient per chunk of every tensor the map reaches, kept to the backward: past
+    ``EARLY_BYTES`` (here made 1 KB) nothing is pulled back early."""
+    monkeypatch.setattr(_map, "EARLY_BYTES", 1024)
+    model, w, xs = _model()  # 49 parameters and 24 small items: over 1 KB a chunk
+    f = _fresh(lambda x: torch.sin(model(x * w)).mean())
+    for _ in range(3):
+        got = torch.autograd.grad(sum(gradmap.tmap(f, xs, **tmap_kwargs)), list(model.parameters()))
+    close(got, torch.autograd.grad(sum(loop(f, xs)), list(model.parameters())))
+    assert early == [False, False, False], early

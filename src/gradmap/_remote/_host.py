@@ -675,13 +675,11 @@ class _Early:
         grads: list[tuple[int, Tensor]],
         drawn: bool,
     ) -> None:
-        self.results, self.diff, self.pids, self.grads, self.drawn = (
-            results,
-            diff,
-            pids,
-            grads,
-            drawn,
-        )
+        self.results = results
+        self.diff = diff
+        self.pids = pids
+        self.grads = grads
+        self.drawn = drawn
 
     def value(self) -> tuple[Any, ...]:
         return ("early", self.results, self.diff, self.pids, self.drawn, self.grads)

@@ -252,9 +252,13 @@ class _Driver(JoinGraph):
             return None
         one = one_cotangent(cotangents, stack_small(cotangents))
         # (each chunk's early gradients are kept until the backward: not for a large model)
-        size = sum(_bytes(self.table.tensors[pid]) for pid in self.inputs) * self.plan.count
-        learn_uniform_cotangents(self.key, one is not None and size <= EARLY_BYTES)
+        learn_uniform_cotangents(self.key, one is not None and self.early_fits())
         return one if any(c.ones is not None for c in self.chunks) else None
+
+    def early_fits(self) -> bool:
+        """Whether a gradient per chunk of every join input stays within ``EARLY_BYTES``."""
+        size = sum(_bytes(self.table.tensors[pid]) for pid in self.inputs)
+        return size * self.plan.count <= EARLY_BYTES
 
     def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:
         run_pass(

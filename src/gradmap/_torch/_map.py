@@ -200,8 +200,7 @@ class MapGraph(JoinGraph):
         )
         one = None if create_graph or under_vmap else one_cotangent(cotangents, stacked)
         if call.api == "gradmap.tmap" and not call.remat:
-            size = sum(t.numel() * t.element_size() for t in layout.inputs) * len(records)
-            learn_uniform_cotangents(self.key, one is not None and size <= EARLY_BYTES)
+            learn_uniform_cotangents(self.key, one is not None and self.early_fits())
         early = self.ones if one is not None and fresh is None and not self.retained else None
         scale = None if one is None or unscaled(one, not free_graph) else one
         early_chunks: set[int] = set()
@@ -242,6 +241,12 @@ class MapGraph(JoinGraph):
             if early is None
             else (lambda per_chunk: scaled_sum(per_chunk, early_chunks, scale, self.sum_chunks)),
         )
+
+    def early_fits(self) -> bool:
+        """Whether a gradient per chunk of every join input stays within ``EARLY_BYTES`` (NOTE
+        [tmap's losses pulled back early])."""
+        count = len(self.records or ())
+        return sum(t.numel() * t.element_size() for t in self.layout.inputs) * count <= EARLY_BYTES
 
     def chunk_spent(self, k: int) -> bool:
         """Whether backwards that free the graph went through all of chunk ``k``'s results."""
