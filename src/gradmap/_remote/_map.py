@@ -166,9 +166,8 @@ class _Driver(JoinGraph):
         # chunk -> the worker keeping its graph: the release's account, which the finalizer
         # holds (it may not hold the driver)
         self.held: dict[int, int] = {}
-        self.versions: list[
-            tuple[Tensor, int]
-        ] = []  # NOTE [tensors changed in place before a backward]
+        # NOTE [tensors changed in place before a backward]
+        self.versions: list[tuple[Tensor, int]] = []
         self._finalizer = weakref.finalize(self, _release, transport, self.id, self.held)
         self._finalizer.atexit = False
 
@@ -380,12 +379,13 @@ class _Driver(JoinGraph):
         jobs = []
         early_chunks: set[int] = set()
         scale = None
-        one = self.one_cotangent(cotangents)
+        one = self.one_cotangent(cotangents)  # NOTE [tmap's losses pulled back early]
+        if one is not None:
+            scale = None if unscaled(one, keep) else one
         for k, record in enumerate(self.chunks):
             lo, hi = record.outputs
             early = record.early
-            if record.ones is not None and one is not None:  # NOTE [tmap's losses pulled
-                scale = None if unscaled(one, keep) else one  # back early]
+            if record.ones is not None and one is not None:
                 per_chunk[k] = record.ones
                 early_chunks.add(k)
             elif early is not None:  # a tsum chunk of losses: its sum's gradients, scaled
