@@ -782,6 +782,44 @@ def test_tensor_made_on_a_worker_and_reused_is_refused(remote, ex):
     remote.no_state_left()
 
 
+def test_a_leaf_f_makes_for_itself_and_lets_go_gives_the_loops_gradients(remote, ex):
+    """Forces: ``f`` differentiates inside through a leaf it makes from a copy of its item; the
+    loop's backward reaches that leaf too, whose ``.grad`` nobody holds (NOTE [leaves f makes
+    for itself on a worker])."""
+    s = Setup()
+    params = list(s.model.parameters())
+
+    def energy_and_forces(x: torch.Tensor) -> torch.Tensor:
+        pos = x.clone().requires_grad_()
+        energy = s.model(torch.tanh(pos)).sum()
+        forces = -torch.autograd.grad(energy, pos, create_graph=True)[0]
+        return energy**2 + forces.pow(2).sum()
+
+    want = torch.autograd.grad(loop_sum(energy_and_forces, s.xs), params)
+    total = gradmap.tsum(energy_and_forces, s.xs, executor=ex, chunksize=2)
+    close(torch.autograd.grad(total, params), want)
+    ys = gradmap.tmap(energy_and_forces, s.xs, executor=ex, chunksize=2)
+    close(torch.autograd.grad(torch.stack(ys).sum(), params), want)
+    del ys
+    remote.no_state_left()
+
+
+def test_an_item_made_to_require_grad_in_place_is_refused(remote, ex):
+    """``x.requires_grad_()`` on an item: the loop fills that item's ``.grad`` in the caller's
+    process, which a worker's copy of it cannot."""
+    s = Setup()
+    xs = [x.detach().clone() for x in s.xs]
+
+    def forces_in_place(x: torch.Tensor) -> torch.Tensor:
+        x.requires_grad_()
+        energy = s.model(x).sum()
+        return torch.autograd.grad(energy, x, create_graph=True)[0].pow(2).sum()
+
+    with pytest.raises(gradmap.ForeignTensorError, match=r"x\.requires_grad_\(\)"):
+        gradmap.tsum(forces_in_place, xs, executor=ex, chunksize=2)
+    remote.no_state_left()
+
+
 def test_progress_counts_every_element_in_both_passes(ex):
     class Bar:
         total = 0

@@ -24,6 +24,7 @@ Methods (the work methods take a batch of consecutive chunks and answer per chun
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ from .._torch._chunk import (
     pull_back_sum,
     run_forward,
 )
-from .._torch._graph import Known, tensors_in
+from .._torch._graph import Boundary, Known, modules_of, tensors_in, tensors_of
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
@@ -238,6 +239,9 @@ class _CallState:
     chunks: dict[int, _Kept] = field(default_factory=dict)
     #: The leaves of the caller's tensors that ``f`` itself holds (parameters, closure tensors).
     own: list[Tensor] = field(default_factory=list)
+    #: The storages of the tensors ``f`` reaches, once a leaf not from the caller shows up
+    #: (NOTE [leaves f makes for itself on a worker]).
+    reached: set[int] | None = None
 
 
 class KeptFunctions:
@@ -723,24 +727,113 @@ def _reentrant(state: _CallState) -> NoReturn:
 
 
 def _pids(state: _CallState, record: ChunkRecord) -> list[int]:
-    """The pid of each boundary tensor of a chunk's record."""
-    pids = []
-    for t in record.boundary.tensors:
-        pid = state.leaves.pid(t)
+    """The pid of each boundary tensor of a chunk's record; a leaf ``f`` made for itself and let
+    go (NOTE [leaves f makes for itself on a worker]) leaves the boundary instead."""
+    boundary = record.boundary
+    tensors = boundary.tensors
+    pids: list[int] = []
+    own: list[int] = []
+    for k in range(len(tensors)):
+        pid = state.leaves.pid(tensors[k])
         if pid is None:
-            raise ForeignTensorError(
-                f"{state.api}: f used a tensor that requires grad but did not come from the "
-                f"caller (shape {tuple(t.shape)}): the worker's own copy of a module global, a "
-                "tensor f cached on the worker, or a leaf f made itself (x.requires_grad_() to "
-                "take a gradient inside f, such as forces). Only tensors reachable from f and "
-                "the items travel (cloudpickle pickles functions of importable modules by "
-                "reference, so their globals are the worker's): pass the tensor as an "
-                "attribute, closure or item, or register the module with "
-                "cloudpickle.register_pickle_by_value; for a leaf of f's own, use "
-                "executor='threads'."
-            )
-        pids.append(pid)
+            if not _let_go(boundary, k, state):
+                raise _foreign(state, tensors[k])
+            own.append(k)
+        else:
+            pids.append(pid)
+    if own:
+        for attr in ("keys", "tensors", "inputs"):
+            entries = getattr(boundary, attr)
+            setattr(boundary, attr, [e for k, e in enumerate(entries) if k not in own])
     return pids
+
+
+def _let_go(boundary: Boundary, k: int, state: _CallState) -> bool:
+    """Whether boundary entry ``k``, a tensor that did not come from the caller, is a leaf ``f``
+    made for itself during the chunk and let go.
+
+    NOTE [leaves f makes for itself on a worker]:
+        A boundary tensor that did not travel from the caller is either the worker's own copy of
+        state the caller has (a module global of an importable module, a tensor cached on the
+        worker), whose gradient the loop gives to the caller's object and a worker can never
+        give (``ForeignTensorError``), or a leaf ``f`` made for itself to take a gradient
+        inside (forces: ``pos = x.clone().requires_grad_()``), which the loop's backward
+        reaches too and accumulates into a tensor nobody holds any more: nothing to give back.
+        Told apart by who holds it once the chunk ran: no Python object but the walk's own
+        lists (its reference count is that of such a leaf in a chunk run once per process
+        through the same walk, ``_refs_of_a_leaf_let_go``), and no storage shared with a tensor
+        ``f`` reaches (its modules' parameters and buffers included, which a scripted module
+        holds in C++ only). A leaf held anywhere else -- an item made to require grad in place
+        (``x.requires_grad_()``: the loop gives the caller's item a ``.grad``), a result, a
+        cache, a module global -- raises. Checked only where such a tensor shows up.
+    """
+    if sys.getrefcount(boundary.tensors[k]) > _refs_of_a_leaf_let_go(state.known):
+        return False
+    t = boundary.tensors[k]
+    if not t.is_leaf or t.grad_fn is not None:
+        return False
+    reached = state.reached
+    if reached is None:
+        reached = state.reached = _storages(state.f)
+    return _storage_of(t) not in reached
+
+
+def _storages(f: Any) -> set[int]:
+    """The storages of the tensors ``f`` reaches, its modules' parameters and buffers included."""
+    found = set()
+    for t in tensors_of(f):
+        found.add(_storage_of(t))
+    for module in modules_of(f):
+        for t in (*module.parameters(), *module.buffers()):
+            found.add(_storage_of(t))
+    found.discard(0)
+    return found
+
+
+def _storage_of(t: Tensor) -> int:
+    if t.layout != torch.strided:
+        return 0
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # (a tensor subclass without one storage)
+        return 0
+
+
+_LET_GO: dict[bool, int] = {}
+
+
+def _refs_of_a_leaf_let_go(known: Known) -> int:
+    """The reference count ``_let_go`` sees for a leaf ``f`` made and let go: measured once per
+    process and walk (native or Python), on a chunk run through ``run_forward`` as the host runs
+    its chunks."""
+    native = known.native is not None
+    refs = _LET_GO.get(native)
+    if refs is None:
+
+        def made(x: Tensor) -> Tensor:
+            return (x.clone().requires_grad_() * 2.0).sum()
+
+        walk = Known(made, (), eager=False)
+        if (walk.native is not None) is not native:  # (not seen: one walk per process)
+            return -1  # every such tensor refused, as before this check
+        with torch.enable_grad():
+            record = run_forward(made, [(torch.ones(2),)], range(1), known=walk, random=None)
+        refs = _LET_GO[native] = sys.getrefcount(record.boundary.tensors[0])
+    return refs
+
+
+def _foreign(state: _CallState, t: Tensor) -> ForeignTensorError:
+    return ForeignTensorError(
+        f"{state.api}: f used a tensor that requires grad but did not come from the caller "
+        f"(shape {tuple(t.shape)}): the worker's own copy of a module global, a tensor f cached "
+        "on the worker, or a leaf f made and kept (an item made to require grad in place, "
+        "x.requires_grad_(), whose .grad the loop fills in your process). Only tensors "
+        "reachable from f and the items travel (cloudpickle pickles functions of importable "
+        "modules by reference, so their globals are the worker's): pass the tensor as an "
+        "attribute, closure or item, or register the module with "
+        "cloudpickle.register_pickle_by_value; for a leaf of f's own (forces), make it from a "
+        "copy (pos = x.clone().requires_grad_()) and let it go, or use executor='threads'."
+    )
 
 
 def _no_grads_written(state: _CallState, start: int) -> None:

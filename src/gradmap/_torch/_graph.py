@@ -527,6 +527,14 @@ def versions_used(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[tuple[Ten
     return [(t, t._version) for t in found if not t.is_inference()]
 
 
+def tensors_of(f: Any) -> list[Tensor]:
+    """The tensors ``f`` refers to (its closure, the globals its code names, attributes), a few
+    levels deep; module parameters and buffers aside."""
+    found: list[Tensor] = []
+    _collect(f, found, set(), 0, every=True)
+    return found
+
+
 def tensors_in(obj: Any) -> list[Tensor]:
     """The tensors an object holds in its attributes and containers (a few levels deep)."""
     found: list[Tensor] = []
