@@ -3,8 +3,9 @@
 Each case draws a program -- parameters, tensors made before the call (read through closures,
 globals, module attributes and methods), items (leaves, rows cut from a tensor, constants), an
 ``f`` (a closure, an ``nn.Module``, a callable object, a ``functools.partial``) whose body mixes
-ordinary ops, a custom ``autograd.Function``, in-place writes into a buffer ``f`` made, control
-flow per element and zero-weighted results -- and a way to use the map (``tmap`` or ``tsum``,
+ordinary ops, a custom ``autograd.Function``, in-place writes into a buffer ``f`` made, a leaf
+``f`` makes for itself and differentiates inside (forces), control flow per element and
+zero-weighted results -- and a way to use the map (``tmap`` or ``tsum``,
 executor, chunks, ``remat``, ``.backward()`` or ``autograd.grad`` on a subset, a double backward).
 The loop and gradmap run the same program on fresh copies of the same values; values, gradients
 and which gradients are ``None`` must agree (float64, up to summation order).
@@ -152,6 +153,10 @@ def body(
             h = h + torch.stack(rows).unsqueeze(1)
         elif op == "matmul":
             h = h @ torch.outer(params[-1], p0) * 0.1
+        elif op == "own-leaf":  # forces: a leaf f makes from a copy, differentiated inside
+            pos = x.detach().clone().requires_grad_()
+            energy = (torch.sin(pos) * p0).sum()
+            h = h + 0.5 * torch.autograd.grad(energy, pos, create_graph=True)[0]
         elif op == "clip":
             h = Clip.apply(h)
         elif op == "hook" and h.requires_grad:
@@ -230,7 +235,7 @@ def draw(rng: random.Random, executor: str) -> dict[str, Any]:
         # non-leaf boundary -- a nested map over rows f made -- with zeros: NOTE [chunks whose
         # backward is user code])
         "ops": rng.sample(
-            ["pre", "param", "custom", "buffer", "branch", "matmul", "nested"]
+            ["pre", "param", "custom", "buffer", "branch", "matmul", "nested", "own-leaf"]
             + (["hook", "clip"] if native_walk() else []),
             rng.randint(1, 5),
         ),
