@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -492,6 +493,31 @@ def test_optimizer_step_in_place_is_seen(ex):
     # tmap too, after the steps
     ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
     close([y.detach() for y in ys], [y.detach() for y in loop(f, xs)])
+
+
+def test_a_large_pickle_of_f_is_told_once(ex, monkeypatch):
+    """Data ``f`` holds that is not a tensor travels in ``f``'s pickle, made on every call: the
+    first call says so (size, time, the fix), later calls of the same ``f`` do not."""
+    import numpy as np
+
+    from gradmap._remote import _map
+
+    monkeypatch.setattr(_map, "_WARNED_HEAVY", set())  # (told once a process: per executor here)
+
+    lin = nn.Linear(3, 1)
+    table = np.linspace(0.0, 1.0, 600_000)  # 4.6 MiB of float64
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lin(x).sum() * float(table[7])
+
+    xs = [torch.randn(3) for _ in range(6)]
+    with pytest.warns(RuntimeWarning, match=r"f pickles to 4\.\d MiB.*torch\.tensor\(a\)") as told:
+        total = gradmap.tsum(f, xs, executor=ex, chunksize=2)
+    assert told[0].filename == __file__  # the user's line
+    torch.testing.assert_close(total, loop_sum(f, xs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradmap.tsum(f, xs, executor=ex, chunksize=2)
 
 
 def test_swapped_data_and_in_place_constants_are_seen(ex):

@@ -62,7 +62,9 @@ NOTE [the map in other processes]:
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -464,6 +466,28 @@ class _Driver(JoinGraph):
         return totals
 
 
+#: The size of ``f``'s pickle from which a call says what it costs (``_warn_heavy_f``), once
+#: per ``f`` (by its code: ``key_of``).
+HEAVY_F = 4 << 20
+_WARNED_HEAVY: set[Any] = set()
+
+
+def _warn_heavy_f(name: str, size: int, seconds: float) -> None:
+    """Say that ``f``'s pickle is large: it is made and hashed on every call, before any chunk
+    runs (only tensors travel apart, by shared memory, once)."""
+    warnings.warn(
+        f"{name}: f pickles to {size / 2**20:.1f} MiB, which every call pickles and hashes "
+        f"before any chunk runs ({seconds * 1e3:.0f} ms in this one): data f holds that is not "
+        "a torch tensor (numpy arrays, lists or dicts of numbers) travels inside f's pickle. "
+        "Hold large data as torch tensors of their own (torch.tensor(a), a copy: a tensor "
+        "that shares a numpy array's memory travels by value), which travel apart from f's "
+        "pickle (on processes through shared memory, once), or pass it with the items (items "
+        "that stay the same are sent once); or use executor='threads'.",
+        RuntimeWarning,
+        stacklevel=5,  # the user's line: _warn_heavy_f, map_remote, _run, tmap or tsum
+    )
+
+
 def map_remote(request: MapRequest) -> Any:
     """``[f(*args) for args in elements]`` (``api="gradmap.tmap"``) or their sum
     (``"gradmap.tsum"``) on the worker processes of the request's executor (Ray's, or the local
@@ -499,6 +523,7 @@ def map_remote(request: MapRequest) -> Any:
     )
     table = TensorTable(executor.share)
     name = f"{api}(executor={transport.name!r})"
+    started = time.perf_counter()
     try:
         f_payload = dumps(f, table, share=True)
     except Exception as exc:
@@ -510,6 +535,9 @@ def map_remote(request: MapRequest) -> Any:
         )
         raise
     call = _Driver(f, transport, f_payload, spec, table, plan, executor, remat, request.progress)
+    if len(f_payload) >= HEAVY_F and call.key not in _WARNED_HEAVY:
+        _WARNED_HEAVY.add(call.key)
+        _warn_heavy_f(name, len(f_payload), time.perf_counter() - started)
     try:
         early = not summed and graph and not remat and uniform_cotangents(call.key)
         per_chunk = call.forward(
