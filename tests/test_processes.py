@@ -495,6 +495,37 @@ def test_optimizer_step_in_place_is_seen(ex):
     close([y.detach() for y in ys], [y.detach() for y in loop(f, xs)])
 
 
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_cpu_autocast_with_its_weight_cache_matches_loop(ex, api):
+    """Under the user's autocast region (weight cache on), the caller's own chunks do not take
+    the casts an earlier chunk made (NOTE [autocast's cast cache per chunk]); two maps and the
+    user's own uses of the model in one region: the loop's gradients, to bfloat16 precision."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+    params = list(model.parameters())
+    xs = [torch.randn(3, 4) for _ in range(8)]
+    f = lambda x: model(x).float().pow(2).mean()  # noqa: E731
+
+    def run(mapped: bool) -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total = model(xs[0]).float().sum()
+            for _ in range(2):
+                if not mapped:
+                    total = total + loop_sum(f, xs)
+                elif api == "tsum":
+                    total = total + gradmap.tsum(f, xs, executor=ex, chunksize=1)
+                else:
+                    ys = gradmap.tmap(f, xs, executor=ex, chunksize=1)
+                    assert all(y.dtype == torch.float32 for y in ys)
+                    total = total + torch.stack(ys).sum()
+            total = total + model(xs[1]).float().sum()
+        return list(torch.autograd.grad(total, params))
+
+    want = run(False)
+    for got, ref in zip(run(True), want):
+        torch.testing.assert_close(got, ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
 def test_a_large_pickle_of_f_is_told_once(ex, monkeypatch):
     """Data ``f`` holds that is not a tensor travels in ``f``'s pickle, made on every call: the
     first call says so (size, time, the fix), later calls of the same ``f`` do not."""

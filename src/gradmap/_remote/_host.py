@@ -698,17 +698,32 @@ def _cotangents(payload: Any, leaves: LeafTable) -> Any:
 
 def _run(state: _CallState, start: int, local: list[Any], *, graph: bool = True) -> ChunkRecord:
     """A chunk's forward (the chunk record's), its elements indexed as in the whole map; its
-    boundary read only with ``graph``."""
+    boundary read only with ``graph``.
+
+    NOTE [autocast's cast cache per chunk]:
+        Under autocast, PyTorch caches the low-precision cast of each leaf that requires grad
+        (a weight) for as long as the outermost autocast region lasts, in the thread. A worker
+        enters the caller's autocast around each chunk, so each chunk casts its weights anew.
+        The caller's own chunks run inside the user's region, where a chunk would take the cast
+        an earlier chunk made -- a node of that chunk's graph, outside its own, which no join
+        input names (``ForeignTensorError``) -- and the user's region would keep the casts of
+        the host's leaves. So the cache is cleared around every chunk's forward here (the
+        user's own casts are made again on next use: the same values and gradients).
+    """
     window = cast(list, _Window(local, start, state.spec.n))
-    return run_forward(
-        state.f,
-        window,
-        range(start, start + len(local)),
-        known=state.known if graph else None,
-        random=state.seed,
-        api=state.api,
-        leaf_results=state.spec.api == "gradmap.tmap",  # NOTE [leaves returned as they are]
-    )
+    torch.clear_autocast_cache()
+    try:
+        return run_forward(
+            state.f,
+            window,
+            range(start, start + len(local)),
+            known=state.known if graph else None,
+            random=state.seed,
+            api=state.api,
+            leaf_results=state.spec.api == "gradmap.tmap",  # NOTE [leaves returned as they are]
+        )
+    finally:
+        torch.clear_autocast_cache()
 
 
 def _pull_back(record: ChunkRecord, cots: Any, state: _CallState) -> Any:
