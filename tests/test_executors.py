@@ -197,3 +197,30 @@ def test_pullbacks_run_on_threads_that_ran_no_forward(workers: int, api: str) ->
     assert seen["backward"] and all(n.startswith("gradmap-pullback_") for n in seen["backward"]), (
         seen
     )
+
+
+# -- after a fork ---------------------------------------------------------------------------------
+
+
+def _forked_map(executor: str) -> tuple[float, float]:
+    w = torch.linspace(-1.0, 1.0, 3, requires_grad=True)
+    xs = [torch.full((3,), 0.1 * i) for i in range(16)]
+    total = gradmap.tsum(lambda x: (x * w).sin().sum(), xs, executor=executor, chunksize=2)
+    (grad,) = torch.autograd.grad(total, w)
+    return float(total.detach()), float(grad.sum())
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_maps_on_pools_of_its_own():
+    """A child forked after the parent's pools started (``multiprocessing``'s default start on
+    Linux) runs its maps on threads of its own, not on the parent's, which it does not have
+    (NOTE [after a fork]); the parent's pool goes on working."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    want = _forked_map("threads")  # the parent's pool threads now exist
+    with multiprocessing.get_context("fork").Pool(1) as children:
+        got = children.apply_async(_forked_map, ("threads",)).get(timeout=120)
+    assert got == pytest.approx(want)
+    assert _forked_map("threads") == pytest.approx(want)

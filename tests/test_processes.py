@@ -1324,3 +1324,30 @@ def test_settings_read_are_listed_cheaply():
     assert settings_of(lambda x: x * 2) == ()
     assert settings_of(torch.nn.Linear(2, 2)) == ()
     assert settings_of(_on) == ()  # this test module is importable, but reads no plain data
+
+
+def _forked_processes_map() -> tuple[float, list[int]]:
+    executor = gradmap.ProcessExecutor(workers=2)
+    w = torch.linspace(-1.0, 1.0, 3, requires_grad=True)
+    total = gradmap.tsum(lambda x: (x * w).sin().sum(), torch.ones(8, 3), executor=executor)
+    return float(total.detach()), executor.worker_pids()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_starts_workers_of_its_own_and_leaves_the_parents(ex):
+    """A forked child neither uses nor stops the parent's worker processes (NOTE [after a
+    fork] in ``_executors``): it starts its own; the parent's go on serving the parent."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    mine = _pids(ex)
+    w = torch.linspace(-1.0, 1.0, 3, requires_grad=True)
+    f = lambda x: (x * w).sin().sum()  # noqa: E731
+    want = gradmap.tsum(f, torch.ones(8, 3), executor=ex, chunksize=2)
+    with multiprocessing.get_context("fork").Pool(1) as children:
+        value, theirs = children.apply_async(_forked_processes_map).get(timeout=120)
+    assert value == pytest.approx(float(want.detach()))
+    assert not set(theirs) & set(mine)
+    assert _pids(ex) == mine
+    torch.testing.assert_close(gradmap.tsum(f, torch.ones(8, 3), executor=ex, chunksize=2), want)

@@ -175,6 +175,28 @@ def _shared_pool(threads: int, role: str = "gradmap") -> concurrent.futures.Thre
         return pool
 
 
+# NOTE [after a fork]:
+#     A child forked from a process that used gradmap (``multiprocessing``'s default start on
+#     Linux, ``os.fork``) inherits gradmap's objects but only the forking thread: its pools'
+#     threads, worker processes' writer threads and any lock another thread held are not there
+#     for it. A call in the child then waited forever on a pool whose threads existed only in
+#     the parent. So each module that keeps such state sets it aside in the child, at the fork
+#     (``os.register_at_fork``): the pools are dropped unused (their parent's threads and worker
+#     processes stay the parent's: nothing is stopped or closed from the child) and made anew on
+#     first use, and module locks are made free again.
+_left_in_the_parent: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    _left_in_the_parent.append(dict(_pools))  # never shut down from here (NOTE [after a fork])
+    _pools.clear()
+    _pool_sizes.clear()
+    _pool_lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def shared_pools(threads: int) -> list[concurrent.futures.ThreadPoolExecutor]:
     """Both of gradmap's pools, each with at least ``threads`` threads (for tests)."""
     return [_shared_pool(threads, role) for role in ("gradmap", "gradmap-pullback")]

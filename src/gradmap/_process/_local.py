@@ -39,6 +39,7 @@ NOTE [the caller works too]:
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -130,6 +131,15 @@ def _users_tree(y: Any, depth: int = 0) -> Any:
 
 _host_of_process: LocalHost | None = None
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _host_of_process
+    _host_of_process = None  # (its lock may be held by a thread of the parent: NOTE [after a fork])
+    _lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def local_host() -> LocalHost:

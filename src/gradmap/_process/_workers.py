@@ -319,3 +319,15 @@ def shutdown_pools(threads: int | None = None) -> None:
 
 
 atexit.register(shutdown_pools)
+_left_in_the_parent: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    # The parent's workers stay the parent's: kept from the collector, never stopped from here
+    # (NOTE [after a fork] in ``_executors``).
+    _left_in_the_parent.append(dict(_pools))
+    _pools.clear()
+    _lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

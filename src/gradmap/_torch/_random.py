@@ -40,6 +40,7 @@ NOTE [random numbers per element]:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
@@ -53,6 +54,7 @@ from .._engine import on_a_chunk
 __all__ = ["SEEDING", "MapRandom", "moved_by"]
 
 SEEDING = threading.RLock()
+os.register_at_fork(after_in_child=SEEDING._at_fork_reinit)  # type: ignore[attr-defined]
 
 
 def _position(state: torch.Tensor) -> torch.Tensor:
