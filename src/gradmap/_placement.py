@@ -51,6 +51,7 @@ NOTE [forward placement]:
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -65,6 +66,7 @@ REMEASURE = 50
 CHANGED = 2.0
 
 _lock = threading.Lock()
+os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
 #: What was measured of the maps of each ``f``, by ``(key_of(f), kind)``: the forward's placement
 #: on threads (``placement_for``), and the caller's forward seconds per element when it runs
 #: chunks beside worker processes (``caller_seconds``).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -115,6 +116,7 @@ class ProcessExecutor(RemoteExecutor):
 
 _defaults: dict[int | None, ProcessExecutor] = {}
 _lock = threading.Lock()
+os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
 
 
 def default_executor(workers: int | None) -> ProcessExecutor:

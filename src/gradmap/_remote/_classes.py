@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from typing import Any
 __all__ = ["as_users", "as_users_class", "fresh_classes", "users_classes"]
 
 _lock = threading.Lock()
+os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
 
 #: Each copy made by ``fresh_classes``, to the user's own class it copies.
 _originals: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 import threading
 import uuid
@@ -351,6 +352,10 @@ class ItemsCache:
         # Reentrant: a tensor freed by a collection while the lock is held drops its entry.
         self._lock = threading.RLock()
 
+    def after_fork(self) -> None:
+        """In a forked child: the lock free again (NOTE [after a fork] in ``_executors``)."""
+        self._lock._at_fork_reinit()  # type: ignore[attr-defined]
+
     def lookup(self, chunk: list[tuple[Any, ...]]) -> tuple[KeptItems | None, Any]:
         """The kept payload of ``chunk`` if its items are what they were when it was kept;
         else ``None`` and what [`keep`][] needs."""
@@ -432,6 +437,7 @@ class _Dropper:
 
 
 items_cache = ItemsCache()
+os.register_at_fork(after_in_child=items_cache.after_fork)  # NOTE [after a fork]
 
 
 class KeptOnHost:

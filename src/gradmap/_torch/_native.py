@@ -50,6 +50,7 @@ __all__ = ["build", "cache_dir", "native"]
 
 _SOURCE = Path(__file__).with_name("_native.cpp")
 _lock = threading.Lock()
+os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
 _module: ModuleType | None = None
 _tried = False
 

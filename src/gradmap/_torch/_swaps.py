@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,8 @@ __all__ = ["guard_parameter_swaps"]
 
 _swapping = threading.RLock()  # held by a chunk's thread while a module's parameters are swapped
 _installing = threading.Lock()
+os.register_at_fork(after_in_child=_swapping._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
+os.register_at_fork(after_in_child=_installing._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
 _installed = False
 
 
