@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.autograd.function import once_differentiable
 
 import gradmap
 
@@ -817,6 +818,40 @@ def test_an_item_made_to_require_grad_in_place_is_refused(remote, ex):
 
     with pytest.raises(gradmap.ForeignTensorError, match=r"x\.requires_grad_\(\)"):
         gradmap.tsum(forces_in_place, xs, executor=ex, chunksize=2)
+    remote.no_state_left()
+
+
+class _SortedOnce(torch.autograd.Function):
+    """A custom Function whose backward is ``once_differentiable`` (which names a C++ autograd
+    node class, ``DelayedError``) and whose second output is marked non-differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        values, order = x.sort()
+        ctx.mark_non_differentiable(order)
+        ctx.save_for_backward(order)
+        return values, order
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        (order,) = ctx.saved_tensors
+        return torch.zeros_like(g).scatter_(0, order, g)
+
+
+def test_a_custom_function_with_a_once_differentiable_backward(remote, ex):
+    s = Setup()
+    rows = [x.detach()[0] for x in s.xs]
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, order = _SortedOnce.apply(x * s.w)
+        return values[-1] + 0.5 * values[0], order.argmax()
+
+    want = torch.autograd.grad(sum(y[0] for y in loop(f, rows)), s.w)
+    ys = gradmap.tmap(f, rows, executor=ex, chunksize=2)
+    assert all(not y[1].requires_grad for y in ys)
+    close(torch.autograd.grad(sum(y[0] for y in ys), s.w), want)
+    del ys
     remote.no_state_left()
 
 

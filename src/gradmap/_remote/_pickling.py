@@ -333,11 +333,25 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                         self._named(shared)
                         return _identity, (shared,)
                 return _reduce_tensor(obj)
+        if type(obj) is type and obj.__module__ == "builtins" and _is_autograd_node_class(obj):
+            return _autograd_node_class, (obj.__name__,)
         return super().reducer_override(obj)
 
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _is_autograd_node_class(cls: type) -> bool:
+    """Whether ``cls`` is one of PyTorch's C++ autograd node classes (``DelayedError``, which
+    ``torch.autograd.function.once_differentiable`` names; ``AccumulateGrad``, ...). They say
+    their module is ``builtins``, where they are not, so cloudpickle would copy them by value,
+    and a copy does not load (its descriptors name another class): they travel by name."""
+    return getattr(torch._C._functions, cls.__name__, None) is cls
+
+
+def _autograd_node_class(name: str) -> type:
+    return getattr(torch._C._functions, name)  # type: ignore[no-any-return]
 
 
 class Payload(bytes):
