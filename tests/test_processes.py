@@ -526,6 +526,48 @@ def test_cpu_autocast_with_its_weight_cache_matches_loop(ex, api):
         torch.testing.assert_close(got, ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
+_CACHED_SCRIPT = """
+import functools
+import torch
+import gradmap
+
+
+@functools.lru_cache(maxsize=128)
+def fib(k):
+    return k if k < 2 else fib(k - 1) + fib(k - 2)
+
+
+@functools.cache
+def ramp(k):
+    return torch.arange(k, dtype=torch.float32)
+
+
+w = torch.randn(3, requires_grad=True)
+xs = [torch.randn(3) for _ in range(6)]
+f = lambda x: (x * w * ramp(3)).sum() * fib(10)
+(want,) = torch.autograd.grad(sum(f(x) for x in xs), w)
+for ex in (gradmap.ProcessExecutor(workers=2), gradmap.ProcessExecutor(2, caller_helps=False)):
+    (got,) = torch.autograd.grad(gradmap.tsum(f, xs, executor=ex, chunksize=2), w)
+    assert torch.allclose(got, want), (got, want)
+assert fib.cache_info().hits > 0  # the script's own cache, used by its loop
+print("ok")
+"""
+
+
+def test_functions_under_lru_cache_travel_with_f(tmp_path):
+    """``functools.lru_cache`` and ``functools.cache`` functions of the user's script pickle
+    themselves by name, which a worker cannot load; they travel by value, recursion included,
+    each worker with a cache of its own (a fresh interpreter)."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(_CACHED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_a_large_pickle_of_f_is_told_once(ex, monkeypatch):
     """Data ``f`` holds that is not a tensor travels in ``f``'s pickle, made on every call: the
     first call says so (size, time, the fix), later calls of the same ``f`` do not."""

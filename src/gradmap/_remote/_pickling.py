@@ -42,9 +42,11 @@ NOTE [tensors travel as identities]:
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import pickle
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -335,6 +337,10 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                 return _reduce_tensor(obj)
         if type(obj) is type and obj.__module__ == "builtins" and _is_autograd_node_class(obj):
             return _autograd_node_class, (obj.__name__,)
+        if type(obj) is _LRU_CACHED:
+            wrapped = getattr(obj, "__wrapped__", None)
+            if isinstance(wrapped, types.FunctionType) and not _by_reference(wrapped):
+                return _lru_cached, (wrapped, obj.cache_parameters())
         return super().reducer_override(obj)
 
 
@@ -352,6 +358,17 @@ def _is_autograd_node_class(cls: type) -> bool:
 
 def _autograd_node_class(name: str) -> type:
     return getattr(torch._C._functions, name)  # type: ignore[no-any-return]
+
+
+_LRU_CACHED = type(functools.lru_cache(maxsize=None)(lambda: None))
+_by_reference = getattr(cloudpickle.cloudpickle, "_should_pickle_by_reference", lambda obj: True)
+
+
+def _lru_cached(wrapped: Callable[..., Any], parameters: dict[str, Any]) -> Any:
+    """A function of the user's script under ``functools.lru_cache`` (or ``cache``), which
+    pickles itself by name, where the script is not: its function travels by value as
+    cloudpickle sends the script's functions, and a worker wraps it in a cache of its own."""
+    return functools.lru_cache(**parameters)(wrapped)
 
 
 class Payload(bytes):
