@@ -337,6 +337,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                 return _reduce_tensor(obj)
         if type(obj) is type and obj.__module__ == "builtins" and _is_autograd_node_class(obj):
             return _autograd_node_class, (obj.__name__,)
+        if isinstance(obj, nn.Module) and _is_parametrized(obj):
+            return _parametrized_module, (type(obj), dict(obj.__dict__))
         if type(obj) is _LRU_CACHED:
             wrapped = getattr(obj, "__wrapped__", None)
             if isinstance(wrapped, types.FunctionType) and not _by_reference(wrapped):
@@ -358,6 +360,20 @@ def _is_autograd_node_class(cls: type) -> bool:
 
 def _autograd_node_class(name: str) -> type:
     return getattr(torch._C._functions, name)  # type: ignore[no-any-return]
+
+
+_is_parametrized = nn.utils.parametrize.is_parametrized
+
+
+def _parametrized_module(cls: type, state: dict[str, Any]) -> nn.Module:
+    """A module with parametrizations (``nn.utils.parametrizations.weight_norm``,
+    ``orthogonal``, ``register_parametrization``), whose class refuses to pickle (PyTorch asks
+    for ``state_dict`` when saving one): rebuilt from its class, which cloudpickle sends by
+    value (PyTorch makes it at run time), and its attributes, the parametrizations' original
+    tensors among them, which travel as every tensor ``f`` uses does."""
+    module: nn.Module = cls.__new__(cls)
+    module.__setstate__(state)
+    return module
 
 
 _LRU_CACHED = type(functools.lru_cache(maxsize=None)(lambda: None))
