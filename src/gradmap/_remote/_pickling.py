@@ -365,7 +365,7 @@ def _autograd_node_class(name: str) -> type:
 _is_parametrized = nn.utils.parametrize.is_parametrized
 
 
-def _parametrized_module(cls: type, state: dict[str, Any]) -> nn.Module:
+def _parametrized_module(cls: type[nn.Module], state: dict[str, Any]) -> nn.Module:
     """A module with parametrizations (``nn.utils.parametrizations.weight_norm``,
     ``orthogonal``, ``register_parametrization``), whose class refuses to pickle (PyTorch asks
     for ``state_dict`` when saving one): rebuilt from its class, which cloudpickle sends by
