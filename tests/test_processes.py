@@ -607,6 +607,29 @@ def test_parametrized_modules_match_the_loop_across_optimizer_steps(ex):
             step.step()
 
 
+def test_running_statistics_in_train_mode_are_told_once(ex, monkeypatch):
+    """BatchNorm in train mode updates its running statistics from several processes at once
+    (NOTE [running statistics on worker processes]): the first map of such an ``f`` says so;
+    the same model in eval mode, and later maps, say nothing."""
+    from gradmap._remote import _map
+
+    monkeypatch.setattr(_map, "_WARNED_STATISTICS", set())
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    xs = [torch.randn(5, 3) for _ in range(6)]
+    f = lambda x: model(x).pow(2).mean()  # noqa: E731
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradmap.tsum(f, xs, executor=ex, chunksize=2)
+    model.train()
+    with pytest.warns(RuntimeWarning, match=r"running statistics.*eval\(\) mode") as told:
+        gradmap.tsum(f, xs, executor=ex, chunksize=2)
+    assert told[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradmap.tsum(f, xs, executor=ex, chunksize=2)
+
+
 def test_a_large_pickle_of_f_is_told_once(ex, monkeypatch):
     """Data ``f`` holds that is not a tensor travels in ``f``'s pickle, made on every call: the
     first call says so (size, time, the fix), later calls of the same ``f`` do not."""

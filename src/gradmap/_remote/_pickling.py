@@ -302,6 +302,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         self._share = share
         self._share_shared = share_shared
         self.shared: dict[Any, Any] = {}  # storages named by reference: key -> storage
+        self.statistics = False  # a module that updates running statistics (train mode)
 
     def _named(self, value: Any) -> None:
         key = getattr(value, "key", None)
@@ -337,8 +338,11 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                 return _reduce_tensor(obj)
         if type(obj) is type and obj.__module__ == "builtins" and _is_autograd_node_class(obj):
             return _autograd_node_class, (obj.__name__,)
-        if isinstance(obj, nn.Module) and _is_parametrized(obj):
-            return _parametrized_module, (type(obj), dict(obj.__dict__))
+        if isinstance(obj, nn.Module):
+            if isinstance(obj, _NORMS) and obj.training and obj.track_running_stats:
+                self.statistics = True  # NOTE [running statistics on worker processes]
+            if _is_parametrized(obj):
+                return _parametrized_module, (type(obj), dict(obj.__dict__))
         if type(obj) is _LRU_CACHED:
             wrapped = getattr(obj, "__wrapped__", None)
             if isinstance(wrapped, types.FunctionType) and not _by_reference(wrapped):
@@ -363,6 +367,7 @@ def _autograd_node_class(name: str) -> type:
 
 
 _is_parametrized = nn.utils.parametrize.is_parametrized
+_NORMS = nn.modules.batchnorm._NormBase  # BatchNorm and InstanceNorm, with running statistics
 
 
 def _parametrized_module(cls: type[nn.Module], state: dict[str, Any]) -> nn.Module:
@@ -392,6 +397,8 @@ class Payload(bytes):
     a transport that passes storages by reference sends those first. Pickles as plain bytes."""
 
     keys: dict[Any, Any] = {}  # noqa: RUF012 - replaced per instance
+    #: ``f`` holds a module that updates running statistics in train mode (BatchNorm's).
+    statistics = False
 
     def __reduce__(self) -> Any:
         return bytes, (bytes(self),)
@@ -422,6 +429,7 @@ def dumps(obj: Any, table: TensorTable, share: bool = False) -> Payload:
     pickler.dump(obj)
     payload = Payload(buffer.getvalue())
     payload.keys = pickler.shared
+    payload.statistics = pickler.statistics
     return payload
 
 
