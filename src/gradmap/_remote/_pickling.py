@@ -336,17 +336,20 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                         self._named(shared)
                         return _identity, (shared,)
                 return _reduce_tensor(obj)
-        if type(obj) is type and obj.__module__ == "builtins" and _is_autograd_node_class(obj):
-            return _autograd_node_class, (obj.__name__,)
-        if isinstance(obj, nn.Module):
-            if isinstance(obj, _NORMS) and obj.training and obj.track_running_stats:
-                self.statistics = True  # NOTE [running statistics on worker processes]
-            if _is_parametrized(obj):
-                return _parametrized_module, (type(obj), dict(obj.__dict__))
-        if type(obj) is _LRU_CACHED:
+        kind = type(obj)
+        if kind is type:
+            if obj.__module__ == "builtins" and _is_autograd_node_class(obj):
+                return _autograd_node_class, (obj.__name__,)
+        elif kind is _LRU_CACHED:
             wrapped = getattr(obj, "__wrapped__", None)
             if isinstance(wrapped, types.FunctionType) and not _by_reference(wrapped):
                 return _lru_cached, (wrapped, obj.cache_parameters())
+        elif isinstance(obj, nn.Module):
+            if isinstance(obj, _NORMS) and obj.training and obj.track_running_stats:
+                self.statistics = True  # NOTE [running statistics on worker processes]
+            parametrizations = obj.__dict__.get("_modules", {}).get("parametrizations")
+            if isinstance(parametrizations, _PARAMETRIZATIONS):
+                return _parametrized_module, (kind, dict(obj.__dict__))
         return super().reducer_override(obj)
 
 
@@ -366,7 +369,7 @@ def _autograd_node_class(name: str) -> type:
     return getattr(torch._C._functions, name)  # type: ignore[no-any-return]
 
 
-_is_parametrized = nn.utils.parametrize.is_parametrized
+_PARAMETRIZATIONS = nn.ModuleDict  # a module's parametrizations (``parametrize.is_parametrized``)
 _NORMS = nn.modules.batchnorm._NormBase  # BatchNorm and InstanceNorm, with running statistics
 
 
