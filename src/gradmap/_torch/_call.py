@@ -18,7 +18,7 @@ from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
 from ._graph import Known, check_versions, modules_of, versions_used
 from ._native import native
-from ._random import MapRandom, moved_by
+from ._random import MapRandom, guard_rng_forks, moved_by
 from ._state import ThreadState
 from ._swaps import guard_parameter_swaps
 
@@ -62,6 +62,7 @@ class MapCall:
         self.owner = object()  # what this map's blocking hooks answer to
         if executor.workers > 1:
             guard_parameter_swaps()  # NOTE [parameters swapped by functional_call]
+            guard_rng_forks()  # NOTE [random numbers of recomputes]
 
     @property
     def gated(self) -> bool:

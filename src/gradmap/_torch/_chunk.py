@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from .._engine import alone
 from .._errors import add_note, element_note
 from .._items import Singles
 from .._tree import Spec, flatten, unflatten
@@ -28,7 +29,7 @@ from ._graph import (
     sequence_nr,
 )
 from ._native import native
-from ._random import MapRandom
+from ._random import DRAWS, MapRandom
 
 __all__ = [
     "ACCUMULATE",
@@ -240,6 +241,22 @@ def run_forward(
         that is no leaf, and the gradient went to a tensor no one could reach). ``tsum`` adds
         its results, so a leaf among them reaches the sum's graph as any other result.
     """
+    if random is not None:  # the forward in one thread: NOTE [random numbers of recomputes]
+        with DRAWS, alone():
+            return _run_forward(f, elements, indices, known, random, stop, api, leaf_results)
+    return _run_forward(f, elements, indices, known, random, stop, api, leaf_results)
+
+
+def _run_forward(
+    f: Callable[..., Any],
+    elements: Sequence[tuple[Any, ...]],
+    indices: Sequence[int],
+    known: Known | None,
+    random: MapRandom | None,
+    stop: Callable[[], bool] | None,
+    api: str,
+    leaf_results: bool,
+) -> ChunkRecord:
     record = ChunkRecord()
     outputs = record.outputs
     # NOTE [a chunk of bare tensors]: compact while every result is a tensor that requires grad

@@ -180,6 +180,11 @@ _CUSTOM = torch.autograd.function.BackwardCFunction
 _pullback = threading.local()
 
 
+def in_a_pullback() -> bool:
+    """Whether the calling thread runs a chunk pullback of some map (``pulling_back``)."""
+    return getattr(_pullback, "owner", None) is not None
+
+
 def pulling_back(owner: object) -> AbstractContextManager[None]:
     """Mark the calling thread as running a chunk pullback of the map ``owner`` stands for
     (NOTE [nothing past the boundary]). A map nested in ``f`` pulls back inside its outer map's

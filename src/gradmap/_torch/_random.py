@@ -36,25 +36,81 @@ NOTE [random numbers per element]:
     per-element ones), and is seeded per element from its next call on.
     ``executor="serial"`` and ``workers=1`` follow the same rule (with a history of their own);
     ``remat`` and worker processes seed every element always.
+
+NOTE [random numbers of recomputes]:
+    ``torch.utils.checkpoint`` (either kind) saves the generator's state when its forward runs
+    and, to recompute in the backward, sets it back, draws (dropout) and restores the state it
+    found, all on the one global generator (``torch.random.fork_rng``). In the loop nothing else
+    draws meanwhile. On threads, chunks are pulled back while the forward of other chunks runs
+    (``tsum``, a ``tmap`` of losses pulled back early) and on several threads at once: a
+    recompute set the generator under a forward's dropout (the map's values off by 0.07, its
+    gradients by 0.5, against the serial executor's, with a checkpointed dropout MLP) and two
+    recomputes under each other (gradients not those of the values). So the forward in one
+    thread (the only one that draws: NOTE [forward placement]) holds ``DRAWS`` while each
+    element runs, and, on the first map that may use other threads, ``torch.random.fork_rng``
+    is wrapped so that a chunk's forward or pullback holds it too for the block (other callers
+    run the original). Recomputes then draw one at a time, between elements of the forward;
+    the rest of each pullback still runs in parallel. A map called while ``DRAWS`` is held
+    runs in its caller's thread (``alone``), so no chunk ever waits for a lock its own caller
+    holds. Worker processes run one chunk at a time: nothing to guard there.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from .._engine import on_a_chunk
+from .._engine import alone, on_a_chunk, working_on_a_chunk
+from ._graph import in_a_pullback
 
-__all__ = ["SEEDING", "MapRandom", "moved_by"]
+__all__ = ["DRAWS", "SEEDING", "MapRandom", "guard_rng_forks", "moved_by"]
 
 SEEDING = threading.RLock()
 os.register_at_fork(after_in_child=SEEDING._at_fork_reinit)  # type: ignore[attr-defined]
+#: Held by whichever thread draws from the global generator for a map: the one-thread forward,
+#: element by element, and a recompute's ``fork_rng`` block (NOTE [random numbers of recomputes]).
+DRAWS = threading.RLock()
+os.register_at_fork(after_in_child=DRAWS._at_fork_reinit)  # type: ignore[attr-defined]
+_installing = threading.Lock()
+os.register_at_fork(after_in_child=_installing._at_fork_reinit)  # type: ignore[attr-defined]
+_installed = False
+
+
+def guard_rng_forks() -> None:
+    """Wrap ``torch.random.fork_rng`` in ``DRAWS`` for chunks' threads, once per process
+    (NOTE [random numbers of recomputes]; a later call is one check)."""
+    global _installed
+    if _installed:
+        return
+    with _installing:
+        if _installed:
+            return
+        original = torch.random.fork_rng
+        if not getattr(original, "_gradmap_guarded", False):
+            torch.random.fork_rng = _guarded_fork_rng(original)  # type: ignore[assignment]
+        _installed = True
+
+
+def _guarded_fork_rng(original: Any) -> Any:
+    @contextmanager
+    @functools.wraps(original)
+    def fork_rng(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        if not (on_a_chunk() or in_a_pullback()):
+            with original(*args, **kwargs) as value:
+                yield value
+            return
+        with DRAWS, working_on_a_chunk(), alone(), original(*args, **kwargs) as value:
+            yield value
+
+    fork_rng._gradmap_guarded = True  # type: ignore[attr-defined]
+    return fork_rng
 
 
 def _position(state: torch.Tensor) -> torch.Tensor:
