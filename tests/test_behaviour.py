@@ -1221,6 +1221,38 @@ def test_nested_tmap_no_deadlock_and_loop_gradients(config):
     assert_grads_equal(actual, expected)
 
 
+@pytest.mark.parametrize("outer", ["serial", "threads"])
+@pytest.mark.parametrize("inner", ["tsum", "tmap"])
+def test_a_pipeline_nested_in_a_forward_in_one_thread(outer, inner):
+    """A ``tsum`` (or a ``tmap`` of losses, pulled back early) inside ``f``: one pipeline of a
+    forward thread and pullbacks. The outer forward in one thread holds the generator's draws
+    while its chunk runs (NOTE [random numbers of recomputes]), so the inner map runs in that
+    thread (before, its forward waited on a pool thread for the lock its caller held)."""
+    torch.manual_seed(12)
+    w = torch.randn(3, requires_grad=True)
+    xs = [torch.randn(k % 4 + 2, 3) for k in range(8)]
+
+    def inner_map(f: Callable[..., Any], rows: Any, mapped: bool) -> Tensor:
+        if not mapped:
+            return sum(f(r) for r in rows)
+        if inner == "tsum":
+            return gradmap.tsum(f, rows, executor="threads", chunksize=1)
+        return torch.stack(gradmap.tmap(f, rows, executor="threads", chunksize=1)).sum()
+
+    def total(mapped: bool) -> Tensor:
+        def f(x: Tensor) -> Tensor:
+            return inner_map(lambda r: (r * w).sin().sum(), x, mapped) ** 2
+
+        if not mapped:
+            return sum(f(x) for x in xs)
+        return gradmap.tsum(f, xs, executor=outer, chunksize=2)
+
+    want = torch.autograd.grad(total(False), w)
+    for _ in range(3):  # (a tmap learns to pull its losses back early)
+        got = run_in_thread(lambda: torch.autograd.grad(total(True), w), timeout=60)
+        assert_grads_equal(list(got), list(want))
+
+
 def test_concurrent_callers_get_loop_gradients(tmap_kwargs):
     """Four threads call tmap and autograd.grad at once, sharing a module: each gets the loop's."""
     torch.manual_seed(11)

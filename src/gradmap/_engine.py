@@ -268,7 +268,9 @@ def run_pipeline(
     Raises:
         The failure of the lowest chunk (producing or consuming), after every thread stopped.
     """
-    nested = on_a_chunk()  # also within ``alone``, which only a chunk's thread enters
+    # Inline in a chunk's thread (a map nested in f), and within ``alone`` (a thread that holds a
+    # lock its helpers would wait for, which need not be a chunk's: the caller's own forward).
+    nested = on_a_chunk() or getattr(_worker, "alone", False)
     inline = nested or executor.caller_works()
     helpers = 0 if nested else max(0, min(executor.workers - 1, count - 1))
     results: list[object] = [None] * count
