@@ -619,6 +619,27 @@ def test_random_f_same_draws_for_any_chunksize(chunksize):
     )
 
 
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_a_map_takes_one_draw_whatever_runs_it(api):
+    """NOTE [the generator after a map]: what a program draws after a map of an ``f`` that draws
+    nothing is the same for every executor and placement (a forward in one thread, ``one``; on
+    the pool, ``workers=2``), run after run: the map took exactly one draw."""
+    w = torch.ones(3, requires_grad=True)
+    xs = [torch.full((3,), float(i)) for i in range(12)]
+
+    def after(**kwargs: Any) -> float:
+        torch.manual_seed(3)
+        mapped = gradmap.tsum if api == "tsum" else gradmap.tmap
+        mapped(lambda x: (x * w).sum(), xs, chunksize=2, **kwargs)
+        return float(torch.rand(()))
+
+    want = after(executor="serial")
+    torch.manual_seed(3)
+    assert want != float(torch.rand(()))  # the map drew
+    for kwargs in ({"executor": "serial"}, {}, {"workers": 2}, {"workers": 1}) * 2:
+        assert after(**kwargs) == want, kwargs
+
+
 def _checkpointed_dropout(config: str, api: str) -> tuple[Tensor, list[Tensor]]:
     """A map of an ``f`` whose checkpointed block draws dropout masks, which the block's
     recompute in the backward draws again from the generator state it saved."""

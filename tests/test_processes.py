@@ -630,6 +630,22 @@ def test_running_statistics_in_train_mode_are_told_once(ex, monkeypatch):
         gradmap.tsum(f, xs, executor=ex, chunksize=2)
 
 
+def test_a_map_takes_one_draw_from_the_generator(ex):
+    """NOTE [the generator after a map] (``_torch/_random``): after a map on processes of an
+    ``f`` that draws nothing, or one that draws, the caller's generator is one draw on, as on
+    threads: what the program draws next is the same whatever executor ran the map."""
+    w = torch.ones(3, requires_grad=True)
+    xs = [torch.full((3,), float(i)) for i in range(8)]
+    for f in (lambda x: (x * w).sum(), lambda x: (x * w).sum() + torch.rand(())):
+        torch.manual_seed(3)
+        gradmap.tsum(f, xs, executor="serial", chunksize=2)
+        want = float(torch.rand(()))
+        for _ in range(2):
+            torch.manual_seed(3)
+            gradmap.tsum(f, xs, executor=ex, chunksize=2)
+            assert float(torch.rand(())) == want
+
+
 def test_a_large_pickle_of_f_is_told_once(ex, monkeypatch):
     """Data ``f`` holds that is not a tensor travels in ``f``'s pickle, made on every call: the
     first call says so (size, time, the fix), later calls of the same ``f`` do not."""

@@ -321,7 +321,6 @@ class _Driver(JoinGraph):
         plan = self.plan
         per_chunk: list[Any] = [None] * plan.count
         used: set[int] = set()
-        drawn = False
         bar = open_progress(self.progress, "forward", plan.n, self.api)
         self.elements = elements
 
@@ -335,27 +334,27 @@ class _Driver(JoinGraph):
             return self.transport.call(a, method, self.id, self.box, self.spec, chunks)
 
         def on_result(k: int, a: int, value: bytes) -> None:
-            nonlocal drawn
+            # (Each answer ends with whether its elements drew, which no longer decides
+            # anything here: NOTE [the generator after a map] in ``_torch/_random``.)
             got = loads_results(value)
             if got[0] == "sum":
-                _, total, grads, chunk_drawn = got
+                _, total, grads, _drew = got
                 per_chunk[k] = (None, total)
                 self.chunks[k].early = grads
                 used.update(pid for pid, _ in grads)
             elif got[0] == "early":  # NOTE [tmap's losses pulled back early] (``_torch/_early``)
-                _, trees, diff, pids, chunk_drawn, grads = got
+                _, trees, diff, pids, _drew, grads = got
                 per_chunk[k] = (trees, diff)
                 self.chunks[k].owner = self.held[k] = a
                 self.chunks[k].ones = grads
                 used.update(pids)
             else:
-                trees, diff, pids, chunk_drawn = got
+                trees, diff, pids, _drew = got
                 per_chunk[k] = (trees, diff)
                 self.chunks[k].owner = a
                 if self.spec.graph and not self.remat:  # the worker keeps the chunk
                     self.held[k] = a
                 used.update(pids)
-            drawn = drawn or chunk_drawn
             if bar is not None:
                 bar.update(len(range(*plan.bounds(k))))
 
@@ -364,9 +363,8 @@ class _Driver(JoinGraph):
         finally:
             if bar is not None:
                 bar.close()
-        if drawn:
-            # Leave the global generator where the thread executor would have left it.
-            torch.randint(0, 2**62, (), dtype=torch.int64)
+        # The map's one draw (NOTE [the generator after a map] in ``_torch/_random``).
+        torch.randint(0, 2**62, (), dtype=torch.int64)
         self.inputs = sorted(used)
         return per_chunk
 

@@ -129,6 +129,7 @@ class MapCall:
                 return self.run_pass("forward", forward_chunk, executor=self.one_thread())
 
         if placement.many:
+            self.random.draw_base()  # NOTE [the generator after a map]
             records, drew = moved_by(
                 lambda: placement.timed(lambda: self.run_pass("forward", forward_chunk), self.n)
             )

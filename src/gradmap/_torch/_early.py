@@ -215,6 +215,7 @@ def forward_pulled_back(
         def both(k: int, run: ChunkRun[Any]) -> Any:
             return early(k, forward(k, lambda: run.stopped(k), None))
 
+        call.random.draw_base()  # NOTE [the generator after a map] in ``_random``
         out, drew = moved_by(
             lambda: placement.timed(lambda: call.run_pass("forward", both), call.n)
         )

@@ -37,6 +37,18 @@ NOTE [random numbers per element]:
     ``executor="serial"`` and ``workers=1`` follow the same rule (with a history of their own);
     ``remat`` and worker processes seed every element always.
 
+NOTE [the generator after a map]:
+    Every map takes exactly one draw from the global generator (its seed base), whatever
+    executor and placement run it and whether ``f`` draws: a forward in one thread draws the
+    base on first use, a forward on the pool draws it before the pass (though it seeds
+    nothing), and worker processes' driver draws it again after the pass (``draw_base`` in
+    ``_remote/_host`` leaves the generator as it was, for the workers' seeds). So what a
+    program draws after its maps (a shuffle for the next epoch) is the same from run to run:
+    before, a map of an ``f`` that draws nothing took the draw when placement ran its forward in
+    one thread and none when it ran on the pool, which depends on timing, and on processes
+    none (three runs of one script: two shuffles after a threads map, and another after a
+    processes map).
+
 NOTE [random numbers of recomputes]:
     ``torch.utils.checkpoint`` (either kind) saves the generator's state when its forward runs
     and, to recompute in the backward, sets it back, draws (dropout) and restores the state it
@@ -161,6 +173,15 @@ class MapRandom:
         self._after: torch.Tensor | None = None
         self.drew = False
         self.each = True  # seed every element; else the pass once (an f seen not to draw)
+
+    def draw_base(self) -> None:
+        """Draw the map's base now if no forward in one thread has (a forward on the pool seeds
+        nothing): every placement leaves the global generator one draw on (NOTE [the generator
+        after a map])."""
+        with nullcontext() if on_a_chunk() else SEEDING:
+            if self._after is None:
+                self.base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+                self._after = torch.default_generator.get_state()
 
     @contextmanager
     def seeding(self) -> Iterator[MapRandom]:
