@@ -96,13 +96,18 @@ def test_the_caller_runs_chunks_as_a_worker_would(ex):
     assert os.getpid() in {pid for pid, _, _ in seen}
     assert all(n == 1 and distinct == 1 for _, n, distinct in seen)
     assert torch.get_num_threads() == threads
-    # The caller's chunks seed the generator per element; it is left as it was (f drew nothing)
-    # and as the threads would leave it (f drew).
+    # The caller's chunks seed the generator per element; it is left as a serial map leaves it
+    # (f drew nothing: one draw on, NOTE [the generator after a map]) and as the threads would
+    # leave it (f drew).
     torch.manual_seed(3)
     state = torch.get_rng_state()
     w = torch.ones(3, requires_grad=True)
+    gradmap.tmap(lambda x: (x * w).sum(), torch.ones(16, 3), executor="serial")
+    serial = torch.get_rng_state()
+    torch.set_rng_state(state)
     gradmap.tmap(lambda x: (x * w).sum(), torch.ones(16, 3), executor=ex, chunksize=1)
-    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(torch.get_rng_state(), serial)
+    assert not torch.equal(serial, state)
     drawn = gradmap.tmap(lambda x: x + torch.rand(()), torch.ones(16), executor=ex, chunksize=1)
     after = torch.get_rng_state()
     torch.set_rng_state(state)
