@@ -108,6 +108,7 @@ def test_the_caller_runs_chunks_as_a_worker_would(ex):
     gradmap.tmap(lambda x: (x * w).sum(), torch.ones(16, 3), executor=ex, chunksize=1)
     assert torch.equal(torch.get_rng_state(), serial)
     assert not torch.equal(serial, state)
+    torch.set_rng_state(state)
     drawn = gradmap.tmap(lambda x: x + torch.rand(()), torch.ones(16), executor=ex, chunksize=1)
     after = torch.get_rng_state()
     torch.set_rng_state(state)
