@@ -785,7 +785,7 @@ def _let_go(boundary: Boundary, k: int, state: _CallState) -> bool:
     if sys.getrefcount(boundary.tensors[k]) > _refs_of_a_leaf_let_go(state.known):
         return False
     t = boundary.tensors[k]
-    if not t.is_leaf or t.grad_fn is not None:
+    if not t.is_leaf:
         return False
     reached = state.reached
     if reached is None:

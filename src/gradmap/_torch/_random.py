@@ -81,6 +81,7 @@ import torch
 
 from .._engine import alone, on_a_chunk, working_on_a_chunk
 from ._graph import in_a_pullback
+from ._swaps import wrap_once
 
 __all__ = ["DRAWS", "SEEDING", "MapRandom", "guard_rng_forks", "moved_by"]
 
@@ -90,24 +91,12 @@ os.register_at_fork(after_in_child=SEEDING._at_fork_reinit)  # type: ignore[attr
 #: element by element, and a recompute's ``fork_rng`` block (NOTE [random numbers of recomputes]).
 DRAWS = threading.RLock()
 os.register_at_fork(after_in_child=DRAWS._at_fork_reinit)  # type: ignore[attr-defined]
-_installing = threading.Lock()
-os.register_at_fork(after_in_child=_installing._at_fork_reinit)  # type: ignore[attr-defined]
-_installed = False
 
 
 def guard_rng_forks() -> None:
     """Wrap ``torch.random.fork_rng`` in ``DRAWS`` for chunks' threads, once per process
-    (NOTE [random numbers of recomputes]; a later call is one check)."""
-    global _installed
-    if _installed:
-        return
-    with _installing:
-        if _installed:
-            return
-        original = torch.random.fork_rng
-        if not getattr(original, "_gradmap_guarded", False):
-            torch.random.fork_rng = _guarded_fork_rng(original)  # type: ignore[assignment]
-        _installed = True
+    (NOTE [random numbers of recomputes])."""
+    wrap_once(torch.random, "fork_rng", _guarded_fork_rng)
 
 
 def _guarded_fork_rng(original: Any) -> Any:
@@ -121,7 +110,6 @@ def _guarded_fork_rng(original: Any) -> Any:
         with DRAWS, working_on_a_chunk(), alone(), original(*args, **kwargs) as value:
             yield value
 
-    fork_rng._gradmap_guarded = True  # type: ignore[attr-defined]
     return fork_rng
 
 

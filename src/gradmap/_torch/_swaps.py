@@ -29,35 +29,39 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from torch.nn.utils import stateless
 
 from .._engine import alone, on_a_chunk
 
-__all__ = ["guard_parameter_swaps"]
+__all__ = ["guard_parameter_swaps", "wrap_once"]
 
 _swapping = threading.RLock()  # held by a chunk's thread while a module's parameters are swapped
-_installing = threading.Lock()
 os.register_at_fork(after_in_child=_swapping._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
-os.register_at_fork(after_in_child=_installing._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
-_installed = False
+_wrapping = threading.Lock()
+os.register_at_fork(after_in_child=_wrapping._at_fork_reinit)  # type: ignore[attr-defined]  # NOTE [after a fork]
+
+
+def wrap_once(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace ``owner.<name>`` by ``wrap(original)``, once per process (the wrapper is marked;
+    a later call is one check; nothing happens where ``owner`` has no such attribute)."""
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, "_gradmap_guarded", False):
+        return
+    with _wrapping:
+        original = getattr(owner, name)
+        if not getattr(original, "_gradmap_guarded", False):
+            wrapped = wrap(original)
+            wrapped._gradmap_guarded = True
+            setattr(owner, name, wrapped)
 
 
 def guard_parameter_swaps() -> None:
     """Wrap ``functional_call``'s swap in the lock of NOTE [parameters swapped by
-    functional_call], once per process (a later call is one check)."""
-    global _installed
-    if _installed:
-        return
-    with _installing:
-        if _installed:
-            return
-        from torch.nn.utils import stateless
-
-        original = getattr(stateless, "_reparametrize_module", None)
-        if original is not None and not getattr(original, "_gradmap_guarded", False):
-            stateless._reparametrize_module = _guarded(original)
-        _installed = True
+    functional_call], once per process."""
+    wrap_once(stateless, "_reparametrize_module", _guarded)
 
 
 def _guarded(original: Any) -> Any:
@@ -71,5 +75,4 @@ def _guarded(original: Any) -> Any:
         with _swapping, alone(), original(*args, **kwargs):
             yield
 
-    _reparametrize_module._gradmap_guarded = True  # type: ignore[attr-defined]
     return _reparametrize_module
