@@ -38,6 +38,25 @@ def test_compare_times_every_candidate_and_restores_grads(tsum):
         assert torch.equal(p.grad, torch.full_like(p, 7.0))
 
 
+def test_compare_times_maps_once_settled():
+    """A map's first calls measure where its forward runs (NOTE [forward placement]): compare
+    runs them untimed, then times as many runs of each map as of each loop."""
+    from gradmap._compare import SETTLE
+
+    _, bags, f = _setup()
+    calls = [0]
+
+    def counted(bag):
+        calls[0] += 1
+        return f(bag)
+
+    reps = 2
+    gradmap.compare(counted, bags, executors=("serial",), reps=reps)
+    loops = 2 if torch.get_num_threads() > 1 else 1
+    assert SETTLE >= 4
+    assert calls[0] == (loops * (1 + reps) + 1 + SETTLE + reps) * len(bags)
+
+
 def test_compare_reports_a_failing_candidate_and_wrong_gradients(monkeypatch):
     _, bags, f = _setup()
     report = gradmap.compare(f, bags, executors=("no-such-executor",), reps=1)

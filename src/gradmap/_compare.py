@@ -24,7 +24,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._placement import EXPLORE
+
 __all__ = ["Comparison", "compare"]
+
+#: Untimed calls of each map before its warm-up: a map on threads measures where its forward
+#: runs on its first calls (NOTE [forward placement]: the first, then ``EXPLORE`` alternating),
+#: and a ``tmap`` learns from its first backward whether to pull its losses back early (NOTE
+#: [tmap's losses pulled back early]); what a user's training loop runs is the steady state.
+SETTLE = EXPLORE
 
 
 @dataclass
@@ -104,8 +112,10 @@ def compare(
     say which is fastest.
 
     Each candidate computes the sum of every floating-point leaf of every result and its
-    ``backward()``, ``reps`` times, interleaved with the others (after one untimed warm-up run
-    each, which also starts the worker processes); the medians are compared with the loop's, and
+    ``backward()``, ``reps`` times, interleaved with the others (after untimed runs: one of
+    each loop, ``1 + SETTLE`` of each map, which start the worker processes and let a map on
+    threads settle where its forward runs, as it has in a training loop after its first few
+    steps); the medians are compared with the loop's, and
     each candidate's gradients with the loop's (relative difference at most ``tol``, else it is
     not recommended). The ``.grad`` of every leaf is restored afterwards.
 
@@ -161,9 +171,9 @@ def compare(
     failed: dict[str, str] = {}
     drew = False
     with torch.random.fork_rng(devices=[]):  # the generator is left as it was
-        for rep in range(reps + 1):
+        for rep in range(-SETTLE, reps + 1):
             for name, run in candidates:
-                if name in failed:
+                if name in failed or (rep < 0 and name.startswith("loop")):
                     continue
                 first_loop = rep == 0 and name == "loop"
                 before = torch.default_generator.get_state() if first_loop else None
@@ -173,6 +183,8 @@ def compare(
                     if name.startswith("loop"):
                         raise  # nothing to compare with: f itself fails, or has no backward
                     failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                    continue
+                if rep < 0:
                     continue
                 if rep == 0:
                     grads[name] = got
