@@ -897,6 +897,43 @@ def test_parameters_are_told_apart_as_isinstance_does() -> None:
     assert [_is_parameter(t) for t in cases] == [False, False, True, True, True, True, True]
 
 
+def test_the_remembered_submodule_lookup_answers_as_cloudpickles_own() -> None:
+    """NOTE [the submodules a function names]: the same modules for functions naming
+    submodules through their package, a new answer once a module is imported, and cloudpickle's
+    own lookup back after gradmap pickled."""
+    import types
+
+    import cloudpickle
+
+    from gradmap._remote import _pickling
+
+    own = cloudpickle.cloudpickle._find_imported_submodules
+    names = {}
+    code = compile("torch.nn.functional.relu(x) + torch.linalg.norm(x) + os.path.sep", "f", "exec")
+    gone = types.ModuleType("gradmap_test_submodule_parent")
+    gone.__package__ = gone.__name__
+    for dependencies in ([torch, sys], [torch], [sys, 3, "torch"], []):
+        want = own(code, dependencies)
+        assert _pickling._remembered_submodules(code, iter(dependencies)) == want
+        assert _pickling._remembered_submodules(code, dependencies) == want  # remembered
+        names[len(dependencies)] = {m.__name__ for m in want}
+    assert {"torch.nn", "torch.nn.functional", "torch.linalg"} <= names[2]
+    sys.modules[gone.__name__] = gone
+    child = types.ModuleType(gone.__name__ + ".nn")
+    try:
+        sys.modules[child.__name__] = child  # imported since: a new answer
+        later = compile("p.nn.x", "g", "exec")
+        assert _pickling._remembered_submodules(later, [gone]) == [child]
+        del sys.modules[child.__name__]
+        assert _pickling._remembered_submodules(later, [gone]) == []
+    finally:
+        sys.modules.pop(child.__name__, None)
+        del sys.modules[gone.__name__]
+    table = _pickling.TensorTable()
+    _pickling.dumps(lambda x: torch.nn.functional.relu(x), table, share=True)
+    assert cloudpickle.cloudpickle._find_imported_submodules is own
+
+
 @pytest.mark.parametrize(
     "make",
     [
