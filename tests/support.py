@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import faulthandler
 import functools
+import gc
 import os
 import signal
 import sys
@@ -175,6 +176,20 @@ def deadline(seconds: float, *, main_thread: bool = False) -> Callable[[Any], An
     return decorate
 
 
+def settle_before_threads_exit() -> None:
+    """On a free-threaded interpreter, a collection before threads that ran maps exit.
+
+    There an object is counted by the thread that made it; one that other threads released
+    waits in that thread's queue, and a thread that exits frees what its queue holds as its
+    state is torn down, where PyTorch 2.12's tensor finalizer (``THPVariable_clear``) waits to
+    attach a thread state that never comes: the suite hung (gdb: ``tstate_wait_attach`` under
+    ``PyThreadState_Clear``, a test's closure over a tensor) or crashed there, once in a few
+    runs. A collection hands every thread's queue to the collecting thread, which frees the
+    objects while it runs Python."""
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        gc.collect()
+
+
 def _in_daemon_thread(fn: Any, seconds: float, args: Any, kwargs: Any) -> Any:
     box: dict[str, Any] = {}
 
@@ -183,6 +198,8 @@ def _in_daemon_thread(fn: Any, seconds: float, args: Any, kwargs: Any) -> Any:
             box["result"] = fn(*args, **kwargs)
         except BaseException as exc:
             box["exc"] = exc
+        finally:
+            settle_before_threads_exit()
 
     t = threading.Thread(target=body, name=f"deadline-{fn.__name__}", daemon=True)
     t.start()
@@ -295,6 +312,7 @@ def executor_kwargs(name: str) -> Iterator[tuple[dict[str, Any], list[Any]]]:
     elif name == "user-pool":
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             yield {"executor": pool}, [pool]
+            settle_before_threads_exit()
     else:
         raise ValueError(f"unknown executor name {name!r}")
 
