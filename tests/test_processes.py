@@ -1046,6 +1046,28 @@ def test_a_map_that_times_out_stops_its_stuck_worker():
         own.shutdown()
 
 
+def test_timeout_does_not_count_a_worker_starting(monkeypatch):
+    """NOTE [a worker starting]: a worker's import is not ``f``'s time; a call to it that the
+    worker is too slow to start for fails only once the start passes ``start_timeout``."""
+    from gradmap._process import _workers
+
+    monkeypatch.setattr(_workers, "_COMMAND", "import time; time.sleep(3); " + _workers._COMMAND)
+    own = gradmap.ProcessExecutor(workers=1, caller_helps=False, threads_per_worker=3, timeout=1)
+    try:
+        xs = [torch.ones(3) for _ in range(4)]
+        close(gradmap.tmap(lambda x: x * 2, xs, executor=own), [torch.full((3,), 2.0)] * 4)
+    finally:
+        own.shutdown()
+    slow = gradmap.ProcessExecutor(
+        workers=1, caller_helps=False, threads_per_worker=3, timeout=1, start_timeout=0.5
+    )
+    try:
+        with pytest.raises(TimeoutError, match="no chunk finished"):
+            gradmap.tmap(lambda x: x * 2, xs, executor=slow)
+    finally:
+        slow.shutdown()
+
+
 def test_an_executor_in_a_with_block_stops_its_workers_at_its_end():
     with gradmap.ProcessExecutor(workers=1, caller_helps=False, timeout=120) as own:
         got = gradmap.tmap(lambda x: x * 2, torch.ones(3, 2), executor=own)

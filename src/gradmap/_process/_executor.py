@@ -43,8 +43,10 @@ class ProcessExecutor(RemoteExecutor):
             process runs them.
         threads_per_worker: PyTorch intra-op threads of each worker.
         timeout: seconds a pass may go without any chunk finishing before it fails with
-            ``TimeoutError``; ``None`` (default) waits as long as ``f`` takes.
-        start_timeout: seconds a pass may wait for its workers to start again after they died.
+            ``TimeoutError``; ``None`` (default) waits as long as ``f`` takes. A worker still
+            starting (importing PyTorch) does not count against it, for up to ``start_timeout``.
+        start_timeout: seconds a pass may wait for its workers to start, or to start again after
+            they died.
     """
 
     name = "processes"

@@ -72,6 +72,12 @@ class ProcessTransport(Transport):
     def local(self, worker: int) -> bool:
         return worker == self._remote
 
+    def starting(self, worker: int) -> bool:
+        if worker == self._remote:
+            return False
+        w = self._workers[worker]
+        return w.alive and not w.answered
+
     def most(self, worker: int) -> int | None:
         # The caller runs one chunk at a time: between two, it answers the workers (if any).
         return 1 if worker == self._remote and self._remote else None

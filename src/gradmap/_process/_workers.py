@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict, deque
 from multiprocessing.connection import Connection
 from typing import Any
@@ -113,6 +114,8 @@ class Worker:
         self.writer = threading.Thread(target=self._write, name="gradmap-writer", daemon=True)
         self.writer.start()
         self.alive = True
+        self.started = time.monotonic()
+        self.answered = False  # an answer came: the worker has started (NOTE [a worker starting])
         self.payloads: OrderedDict[bytes, None] = OrderedDict()  # mirrors the worker's cache
         self.held = PayloadAccount()  # NOTE [kept items cross to a worker process once]
         self.sent_bytes = 0  # of the calls written to the worker (for tests and the curious)
@@ -219,6 +222,7 @@ class Worker:
             self.died()
             return
         self.received_bytes += len(data)
+        self.answered = True
         call = self.pending.popleft()
         kind, *rest = pickle.loads(data)
         if kind == "ok":

@@ -46,6 +46,12 @@ NOTE [a pass over the actors]:
     set, a pass in which no call finishes for that long fails with a ``TimeoutError``: never a
     hang, never a wrong gradient. The driver waits in slices of a second, so ``KeyboardInterrupt``
     reaches it; queued calls are then cancelled.
+
+    NOTE [a worker starting]: a worker process starts in the background and its first calls wait
+    for it to import PyTorch (1.3-1.8 s on this 2-core machine when idle, more under load), so the
+    pass's ``timeout`` does not count while a call is in flight to a worker that has answered
+    nothing yet (for at most ``restart_timeout`` seconds into the pass): ``timeout=2`` timed out
+    the first map after a stuck worker was replaced, the new worker's import counted as ``f``'s.
 """
 
 from __future__ import annotations
@@ -120,6 +126,11 @@ class Transport:
     def most(self, worker: int) -> int | None:
         """The most chunks one call to ``worker`` takes (``None``: as the pass decides)."""
         return None
+
+    def starting(self, worker: int) -> bool:
+        """Whether ``worker`` has not answered anything yet: a process still importing
+        (NOTE [a worker starting])."""
+        return False
 
     def release(self, call_id: str, workers: list[int] | None = None) -> None:
         """Tell the workers (``None``: every worker) to forget a map (fire and forget)."""
@@ -258,15 +269,18 @@ def run_pass(
         return sum(load)
 
     try:
-        last = down_since = time.monotonic()
+        last = down_since = started = time.monotonic()
         while True:
             now = time.monotonic()
             for a, when in list(probe_at.items()):
                 if when <= now:
                     del probe_at[a]
                     inflight[transport.call(a, "pid")] = (None, a)
-            if not working():
-                last = now  # nothing was in flight: no call is late
+            if not working() or (
+                now - started < restart_timeout
+                and any(transport.starting(a) for _, a in inflight.values())
+            ):
+                last = now  # nothing in flight, or a worker still starting: no call is late
             fill()
             if not working() and (failures or not (free or any(owned))):
                 break
