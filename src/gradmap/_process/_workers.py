@@ -40,7 +40,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict, deque
 from multiprocessing.connection import Connection
 from typing import Any
@@ -114,7 +113,6 @@ class Worker:
         self.writer = threading.Thread(target=self._write, name="gradmap-writer", daemon=True)
         self.writer.start()
         self.alive = True
-        self.started = time.monotonic()
         self.answered = False  # an answer came: the worker has started (NOTE [a worker starting])
         self.payloads: OrderedDict[bytes, None] = OrderedDict()  # mirrors the worker's cache
         self.held = PayloadAccount()  # NOTE [kept items cross to a worker process once]
