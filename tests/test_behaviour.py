@@ -1283,3 +1283,50 @@ def test_concurrent_callers_get_loop_gradients(tmap_kwargs):
     run_in_thread(run_all, timeout=60)
     for c in range(4):
         assert_grads_equal(results[c], expected[c])
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_meta_tensors_get_the_loops_gradient_shapes(tmap_kwargs, api):
+    """Tensors on the meta device (shapes without values, as a model is traced): the backward
+    cannot look at a cotangent's values to skip zeros, and pulls back as the loop does."""
+    w = torch.randn(3, device="meta", requires_grad=True)
+    xs = [torch.randn(3, device="meta") for _ in range(4)]
+    f = lambda x: (w * x).sum()  # noqa: E731
+    want = torch.autograd.grad(torch.stack([f(x) for x in xs]).sum(), w)[0]
+    out = getattr(gradmap, api)(f, xs, **tmap_kwargs)
+    got = torch.autograd.grad(out if api == "tsum" else torch.stack(out).sum(), w)[0]
+    assert (got.device.type, got.shape, got.dtype) == (want.device.type, want.shape, want.dtype)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_items_that_view_one_tensor_changed_in_place(tmap_kwargs, api):
+    """Items cut from one tensor that requires grad, each changed in place by ``f``: the changes
+    land on the tensor they view, which autograd does not guard against threads (NOTE [items
+    that view one tensor, changed in place]). One thread (the serial executor) gives the loop's
+    gradients; more than one stops with an error that names the problem and the fixes."""
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    leaf = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x: Tensor) -> Tensor:
+        x.add_(w.tanh())
+        return x.sum() * 3
+
+    def run(mapper: Callable[[list[Tensor]], Tensor]) -> tuple[Tensor, ...]:
+        big = leaf * 1.0
+        total = mapper([big[i] for i in range(6)])
+        return torch.autograd.grad(total + big.square().sum(), [w, leaf])
+
+    want = run(lambda xs: torch.stack([f(x) for x in xs]).sum())
+
+    def mapped(xs: list[Tensor]) -> Tensor:
+        out = getattr(gradmap, api)(f, xs, **tmap_kwargs)
+        return out if api == "tsum" else torch.stack(out).sum()
+
+    if not native_walk():  # (it cannot find the tensor the items view: it says so)
+        with pytest.raises(RuntimeError, match="Python walk cannot find it"):
+            run(mapped)
+    elif tmap_kwargs.get("executor") == "serial":
+        assert_grads_equal(list(run(mapped)), list(want))
+    else:
+        with pytest.raises(RuntimeError, match="view of a tensor that requires grad"):
+            run(mapped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from torch import nn
 
 import gradmap
+
+from support import native_walk, settle_before_threads_exit
 
 pytestmark = pytest.mark.usefixtures("both_walks")
 
@@ -324,3 +327,74 @@ def test_an_f_that_writes_grad_itself_is_not_run_again(tmap_kwargs, how, uses):
         sum(f(x) for x in xs).backward()
         for a, b in zip(got, [p.grad for p in leaves]):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+@pytest.mark.parametrize("cache", ["dict", "parametrize"])
+def test_a_cache_emptied_before_a_recompute_is_refused(tmap_kwargs, how, cache):
+    """The forward reads ``W`` computed from ``w`` before the map (a dict the user fills, or
+    ``parametrize.cached()``), and the cache is emptied before the backward: the recompute
+    computes ``W`` from ``w`` itself, a leaf the forward never reached directly. It must not
+    pass for a leaf ``f`` made for itself (whose gradient reaches no one): ``w``'s gradient
+    was lost so. An error, naming the cache."""
+    torch.manual_seed(0)
+    if cache == "dict":
+        w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        store: dict[str, torch.Tensor] = {}
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            W = store["W"] if "W" in store else w * 2
+            return (W * x).sin().sum()
+
+        def cached():  # type: ignore[no-untyped-def]
+            store["W"] = w * 2
+            return store.clear
+
+    else:
+        from torch.nn.utils import parametrize
+        from torch.nn.utils.parametrizations import weight_norm
+
+        lin = weight_norm(nn.Linear(3, 3).double())
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return lin(x).sin().sum()
+
+        def cached():  # type: ignore[no-untyped-def]
+            block = parametrize.cached()
+            block.__enter__()
+            lin.weight  # noqa: B018  (computed and cached now, before the map)
+            return lambda: block.__exit__(None, None, None)
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    empty = cached()
+    if cache == "parametrize" and not native_walk():  # (the cache is parametrize's own)
+        with pytest.raises(RuntimeError, match="Python walk cannot find it"):
+            gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs)
+        empty()
+        return
+    ys = gradmap.tmap(f, xs, remat=how == "remat", **tmap_kwargs)
+    empty()
+    params = [w] if cache == "dict" else list(lin.parameters())
+    with pytest.raises(RuntimeError, match="reached a tensor made before the call"):
+        torch.autograd.grad(sum(ys), params, create_graph=how == "create_graph")
+
+
+def test_an_f_that_runs_ops_on_threads_of_its_own_is_told_so(tmap_kwargs):
+    """Ops ``f`` hands to a pool of its own make nodes that are not the element's (another
+    thread made them), and a recompute makes new ones: the error says so, not only that ``f``
+    must be deterministic."""
+    helper = concurrent.futures.ThreadPoolExecutor(1)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return helper.submit(lambda: (w * x).exp()).result().sum()
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    # (The Python walk stops in the forward: it cannot find such a tensor anywhere.)
+    told = "ops f runs on threads of its own" if native_walk() else "Python walk cannot find it"
+    try:
+        with pytest.raises(RuntimeError, match=told):
+            sum(gradmap.tmap(f, xs, remat=True, **tmap_kwargs)).backward()
+    finally:
+        helper.shutdown()
+        settle_before_threads_exit()

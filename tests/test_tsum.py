@@ -11,7 +11,7 @@ from torch import Tensor, nn
 import gradmap
 
 import support
-from support import Boom, close, gradmap_notes
+from support import Boom, close, gradmap_notes, native_walk
 
 pytestmark = pytest.mark.usefixtures("both_walks")
 
@@ -443,3 +443,33 @@ def test_a_complex_loss_gets_the_loops_gradient():
         run(lambda f: gradmap.tsum(f, range(2), chunksize=1)),
         run(lambda f: sum(f(i) for i in range(2))),
     )
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_a_tensor_f_caches_for_the_elements_after_it(tmap_kwargs, api):
+    """``f`` fills a cache as it runs (the first element to need ``W = w @ w`` computes it, the
+    others read it): ``W``'s node runs once per chunk that reached it, each with its share, and
+    stays whole until the last share is through (NOTE [a tensor one chunk made and another
+    read]); a ``tsum`` whose pullbacks freed their graphs failed on threads ("Trying to backward
+    through the graph a second time")."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 6, dtype=F64, generator=g, requires_grad=True)
+    xs = [torch.randn(6, dtype=F64, generator=g) for _ in range(24)]
+    cache: dict[str, Tensor] = {}
+
+    def f(x: Tensor) -> Tensor:
+        if "W" not in cache:
+            cache["W"] = w @ w
+        return (cache["W"] @ x).tanh().sum()
+
+    want = torch.autograd.grad(sum(f(x) for x in xs), w)[0]
+    for _ in range(3):  # (the pool from the second call on)
+        cache.clear()
+        if not native_walk():  # it cannot tell W from a tensor made before the call: it stops
+            with pytest.raises(RuntimeError, match="or by f for another element"):
+                out = getattr(gradmap, api)(f, xs, **tmap_kwargs)
+                torch.autograd.grad(out if api == "tsum" else sum(out), w)
+            continue
+        out = getattr(gradmap, api)(f, xs, **tmap_kwargs)
+        got = torch.autograd.grad(out if api == "tsum" else sum(out), w)[0]
+        close(got, want)

@@ -5,6 +5,7 @@ placement]), a pass with its progress bar, a chunk's recompute.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,11 +13,12 @@ import torch
 
 from .._engine import ChunkRun, run_chunks
 from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
+from .._items import Singles
 from .._placement import Placement, placement_for
 from .._progress import open_progress
 from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
-from ._graph import Known, check_versions, modules_of, versions_used
+from ._graph import Known, check_versions, leaves_before, modules_of, versions_used
 from ._native import native
 from ._random import MapRandom, guard_rng_forks, moved_by
 from ._state import ThreadState
@@ -44,6 +46,8 @@ class MapCall:
         #: The ``.grad`` of the leaves ``f`` uses before a remat forward, and one it changed.
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
         self.grad_written: torch.Tensor | None = None
+        #: NOTE [items that view one tensor, changed in place]: such items, with their versions.
+        self.views: list[tuple[torch.Tensor, int]] = []
         self.progress = request.progress
         self.api = api = request.api
         self.n = len(elements)
@@ -59,6 +63,8 @@ class MapCall:
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
         self.known: Known | None = None
+        self._before: tuple[list[torch.Tensor], set[int]] | None = None  # ``made_before``'s
+        self._before_lock = threading.Lock()
         self.owner = object()  # what this map's blocking hooks answer to
         if executor.workers > 1:
             guard_parameter_swaps()  # NOTE [parameters swapped by functional_call]
@@ -148,6 +154,8 @@ class MapCall:
             if self.remat:
                 self.versions = versions_used(self.f, self.elements)
             self.grads = _grads(self.f, self.versions or [])
+            if self.executor.workers > 1:  # NOTE [items that view one tensor, changed in place]
+                self.views = _item_views(self.elements)
 
     def note_versions(self, with_graph: bool) -> None:
         """After a forward with a graph: under ``remat``, the versions of what a recompute
@@ -167,6 +175,16 @@ class MapCall:
                 None,
             )
             self.grads = []
+            views, self.views = self.views, []
+            if any(t._version != v for t, v in views):
+                raise RuntimeError(
+                    f"{self.api}: f changed in place an item that is a view of a tensor that "
+                    "requires grad (items cut from one tensor: big.unbind(), big[i]). Their "
+                    "changes are recorded on the tensor they view, which several threads then "
+                    "change at once, and PyTorch's autograd does not take that from several "
+                    "threads: the gradients would be wrong. Let f change a copy (x = x.clone()), "
+                    "or use executor='serial' (the loop's order, one thread)."
+                )
 
     def check_versions(self, recomputes: bool = True) -> None:
         """Before a ``remat`` backward's recomputes: raise where what they read changed, or
@@ -223,11 +241,46 @@ class MapCall:
                 leaf_results=self.api == "gradmap.tmap",
             )
 
+    def made_before(self, t: torch.Tensor) -> bool:
+        """Whether the leaf ``t`` existed before the call, for all the map can tell: one of the
+        items' tensors, of what ``f`` refers to, or a parameter of its modules (not a leaf ``f``
+        made for itself). Found once per call, when a recompute first asks (a rare case)."""
+        with self._before_lock:
+            if self._before is None:
+                assert self.f is not None and self.elements is not None
+                leaves = leaves_before(self.f, self.elements)
+                self._before = (leaves, {id(x) for x in leaves})  # (kept alive: ids stay theirs)
+        return id(t) in self._before[1]
+
     def free(self) -> None:
+        self._before = None
         self.f = self.elements = None
         self.known = None
         self.versions = None
         self.changed = None
+
+
+def _item_views(elements: Sequence[tuple[Any, ...]]) -> list[tuple[torch.Tensor, int]]:
+    """The items that are views of a tensor with a graph, with their versions now.
+
+    NOTE [items that view one tensor, changed in place]:
+        Items cut from one tensor that requires grad (``big.unbind()``, ``big[i]``) are views
+        of it, and a change ``f`` makes in place to its item is recorded on that tensor: its
+        ``grad_fn`` becomes a ``CopySlices`` node over the one before, and the view's is made
+        again from it. The loop makes those changes one after another; threads make them at
+        once, and PyTorch's autograd does not guard a tensor's history against that (two bare
+        threads, no gradmap: wrong gradients in 5 runs of 12). So a map on more than one thread
+        notes such items' versions before its forward (a view shares its version with the
+        tensor it views), and stops after it if one changed, telling how to go on. Only tensor
+        items are looked at, one attribute each (``grad_fn``, ``None`` for the common leaf or
+        constant item; ``_is_view()`` and ``_version`` for the others, none of which lets go
+        of the GIL)."""
+    found = []
+    items = elements.items if type(elements) is Singles else (a for args in elements for a in args)
+    for t in items:
+        if type(t) is torch.Tensor and t.grad_fn is not None and t._is_view():
+            found.append((t, t._version))
+    return found
 
 
 def _grads(

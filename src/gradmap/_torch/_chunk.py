@@ -389,8 +389,10 @@ _DONATED_BUFFERS = "donated buffer"
 
 
 def _nonzero(g: Tensor) -> bool:
-    if g.requires_grad or g.layout != torch.strided:
-        return True  # a zero cotangent that requires grad still carries a second-order term
+    if g.requires_grad or g.layout != torch.strided or g.is_meta:
+        # A zero cotangent that requires grad still carries a second-order term; a meta
+        # tensor has no values to look at (pulled back as the loop does, shapes only).
+        return True
     return bool(g.any())
 
 
@@ -472,6 +474,7 @@ def pull_back(
     wanted: Sequence[bool] | None = None,
     nonzero: Sequence[bool] | None = None,
     api: str = "gradmap.tmap",
+    made_before: Callable[[Tensor], bool] | None = None,
 ) -> list[Tensor | None] | None:
     """The chunk's gradients for its boundary entries, given a cotangent per output.
 
@@ -504,7 +507,8 @@ def pull_back(
     ``wanted``: which boundary entries the running backward needs (``None``: all); the others
     get ``None``, and an element that reaches none of them does no work. ``nonzero``: whether
     each cotangent is nonzero, where the caller found it for every chunk at once
-    (``nonzero_stacked``); ``None``: the pullback looks.
+    (``nonzero_stacked``); ``None``: the pullback looks. ``made_before``: whether a leaf that a
+    recompute reaches and the forward did not existed before the call (``_made_anew``).
 
     Returns:
         One gradient (or ``None``) per boundary entry; ``None`` if no cotangent reached the chunk.
@@ -553,7 +557,7 @@ def pull_back(
         result = [None] * entries
     elif recompute is not None:
         result = _pull_back_fresh(
-            record, cotangents, live, recompute, n, create_graph, api, owner, wanted
+            record, cotangents, live, recompute, n, create_graph, api, owner, wanted, made_before
         )
     else:
         inputs = _wanted(record.boundary.inputs, wanted)
@@ -572,7 +576,7 @@ def pull_back(
                     None
                     if rerun is None
                     else lambda e: _pull_back_fresh(
-                        record, cotangents, [e], rerun, n, False, api, owner, wanted
+                        record, cotangents, [e], rerun, n, False, api, owner, wanted, made_before
                     )
                 )
                 got = _grad(outs, inputs, grads, create_graph=False, owner=owner, retain=False)
@@ -608,13 +612,28 @@ def pull_back_sum(
     *,
     n: int,
     owner: object,
-    keep_graph: bool = False,
     api: str = "gradmap.tmap",
 ) -> list[Tensor | None] | None:
     """The gradients of the sum of a chunk whose outputs are 0-d (its losses), with cotangent
-    one, through the stored graph, which it frees unless ``keep_graph`` (whoever drops the record's
-    graph later then frees it): one root (the stacked sum) instead of one per element, which
-    costs the engine less and holds the GIL for less Python.
+    one, through the stored graph, which it keeps (whoever drops the record frees it: NOTE [a
+    tensor one chunk made and another read]): one root (the stacked sum) instead of one per
+    element, which costs the engine less and holds the GIL for less Python.
+
+    NOTE [a tensor one chunk made and another read]:
+        ``f`` may fill a cache as it runs: the first element to need ``W = w @ w`` (or a
+        weight under ``torch.nn.utils.parametrize.cached()``) computes and keeps it, and the
+        elements after read it. In the loop, ``W``'s node then runs once in the backward, with
+        every element's share. Here ``W``'s node belongs to the chunk that made it, and a chunk
+        that read it on another thread (or later in the same one) has it past its boundary, a
+        gated edge (NOTE [the native walk]): the share of that chunk reaches ``W``'s node
+        through the join, in the caller's backward, after the maker's pullback ran the node
+        with its own share. So a pullback that frees its graph as it goes freed ``W``'s saved
+        tensors before the other share came, and the backward failed ("Trying to backward
+        through the graph a second time"; ``tsum`` on threads, whose chunks were pulled back
+        during the forward). A pullback keeps its graph instead; dropping the chunk's record
+        then frees the nodes no other chunk's graph holds, and ``W``'s node lives on with what
+        it saved until the other shares are through it. The gradients are the loop's, summed in
+        another order.
 
     Returns:
         The gradients; or ``DEFERRED`` if the pullback failed: the graph is dropped, and the
@@ -631,14 +650,11 @@ def pull_back_sum(
     # only with its join, after the forward): NOTE [nothing past the boundary].
     hooks = BlockHooks(record.boundary.nodes, owner) if record.boundary.nodes else None
     ones = [torch.ones_like(t) for t in roots]
-    retain = keep_graph or bool(record.boundary.nodes)
     try:
         try:
-            return _grad(
-                roots, record.boundary.inputs, ones, create_graph=False, owner=owner, retain=retain
-            )
+            return _grad(roots, record.boundary.inputs, ones, create_graph=False, owner=owner)
         except RuntimeError as exc:
-            if not (retain and _DONATED_BUFFERS in str(exc)) or record.boundary.nodes:
+            if _DONATED_BUFFERS not in str(exc) or record.boundary.nodes:
                 raise
             # A compiled backward that donates its saved tensors (NOTE [pullbacks keep their
             # graph]): the graph is still whole; pulled back again, freeing it.
@@ -775,6 +791,7 @@ def _pull_back_fresh(
     api: str,
     owner: object,
     wanted: Sequence[bool] | None = None,
+    made_before: Callable[[Tensor], bool] | None = None,
 ) -> list[Tensor | None]:
     """Recompute the live elements (with a graph) and pull back through the fresh graph, mapping
     its boundary onto the stored record's (``wanted`` entries only)."""
@@ -814,7 +831,7 @@ def _pull_back_fresh(
         for key, t in zip(fresh.boundary.keys, fresh.boundary.tensors):
             k = where.get(key)
             if k is None:
-                k = _made_anew(t, fresh, record, api)
+                k = _made_anew(t, fresh, record, api, made_before)
             places.append(k)
         mask: list[bool] | None = None
         if wanted is not None or None in places:
@@ -864,14 +881,29 @@ def _retained_grads(record: ChunkRecord, fresh: ChunkRecord, which: list[int]) -
     record.retained = noted
 
 
-def _made_anew(t: Tensor, fresh: ChunkRecord, record: ChunkRecord, api: str) -> int | None:
+def _made_anew(
+    t: Tensor,
+    fresh: ChunkRecord,
+    record: ChunkRecord,
+    api: str,
+    made_before: Callable[[Tensor], bool] | None,
+) -> int | None:
     """Where the stored record's boundary has the leaf ``t`` that a recompute (``fresh``) made
     anew, one of ``f``'s own (``p = x.clone().requires_grad_()`` for forces): the stored one
     ``f`` returned at the same place, if it did (the user holds it, and its ``.grad`` must be
     the loop's); ``None`` if ``f`` kept it to itself (its gradient reaches no one: not pulled
-    back to). Any other tensor the recompute reaches and the forward did not: an error."""
+    back to). Any other tensor the recompute reaches and the forward did not: an error -- a
+    leaf that existed before the call (``made_before``) among them: the forward reached it
+    through a tensor computed from it, which is gone or other now, and its gradient would be
+    lost."""
     if not (t.is_leaf and t.requires_grad):
-        _not_deterministic(api)
+        _not_deterministic(
+            api,
+            f" Here the recompute reached a tensor its forward did not (shape {tuple(t.shape)}): "
+            "one made by ops f runs on threads of its own (a pool inside f; their nodes are not "
+            "the element's, and a recompute makes new ones) -- run those in f's own thread, or "
+            "use remat=False and no create_graph -- or one f reads that is another now.",
+        )
     for place, leaf in (fresh.returned or {}).items():
         if leaf is t:
             before = (record.returned or {}).get(place)
@@ -881,6 +913,17 @@ def _made_anew(t: Tensor, fresh: ChunkRecord, record: ChunkRecord, api: str) -> 
                 if b is before:
                     return k
             _not_deterministic(api)
+    if made_before is not None and made_before(t):
+        raise RuntimeError(
+            f"{api}: recomputing f (remat=True, or a create_graph=True backward) reached a "
+            f"tensor made before the call (shape {tuple(t.shape)}) that its forward reached "
+            "only through a tensor computed from it, which f no longer reads: a cache (filled "
+            "before the map or by f for another element) emptied or changed before the "
+            "backward, such as torch.nn.utils.parametrize.cached() or a global set to w * 2. "
+            "Its gradient "
+            "would be lost. Keep what f reads as it was until the backward is done (run the "
+            "backward inside the cache's block), or use remat=False and no create_graph."
+        )
     return None
 
 
@@ -894,13 +937,13 @@ def _equal_values(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def _not_deterministic(api: str) -> NoReturn:
+def _not_deterministic(api: str, detail: str = "") -> NoReturn:
     raise RuntimeError(
         f"{api}: recomputing f (remat=True, or a create_graph=True backward) gave other results, "
         "or used other tensors, than its forward did. f must be deterministic apart from its "
         "random numbers, which are replayed; and what it reads must not change between the "
         "forward and the backward (a change through .data counts no version, so it is seen "
-        "only here)."
+        "only here)." + detail
     )
 
 

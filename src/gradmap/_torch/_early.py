@@ -161,8 +161,7 @@ def forward_pulled_back(
             return record, None
         if keep_graphs:
             return record, pull_back_kept(record, owner=call.owner)
-        keep = pulled is not None
-        grads = pull_back_sum(record, n=call.n, owner=call.owner, keep_graph=keep, api=call.api)
+        grads = pull_back_sum(record, n=call.n, owner=call.owner, api=call.api)
         if grads is ACCUMULATE or grads is DEFERRED:  # pulled back (recomputed) in the backward
             return record, None
         if pulled is not None:

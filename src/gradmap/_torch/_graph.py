@@ -236,10 +236,14 @@ class Boundary:
 class Known:
     """The tensors made before the call that the map can see: items and what ``f`` refers to.
 
-    Non-leaf ones mark their nodes as outside every chunk, and give the tensor for an edge. The
-    scan is made at once when chunks run on other threads than the caller's (where a caller's
-    node may be numbered inside a chunk's range); for chunks in the caller's thread (whose
-    earlier nodes are all numbered below the chunk's range) only when an edge needs its tensor.
+    Non-leaf ones mark their nodes as outside every chunk, and give the tensor for an edge. A
+    map scans at once (``eager``), before any chunk runs: chunks on other threads than the
+    caller's need it (a caller's node may be numbered inside a chunk's range), and a scan made
+    later, when an edge first needs its tensor, would also find a tensor an earlier chunk made
+    and left where ``f`` looks (a cache ``f`` fills: NOTE [a tensor one chunk made and another
+    read] in ``_chunk``), take it for one made before the call and block the maker's pullback at
+    its node -- that chunk's share of its gradient lost, silently. Made during the call, it is
+    not found, and the walk stops with ``_not_found``'s error.
     """
 
     def __init__(self, f: Any, elements: Sequence[tuple[Any, ...]], *, eager: bool) -> None:
@@ -416,8 +420,9 @@ def needed(ctx: Any, count: int) -> list[bool]:
 
 def _not_found(node: Node, nr: int) -> NoReturn:
     raise RuntimeError(
-        f"gradmap: f uses a tensor that requires grad and was computed before the call "
-        f"(grad_fn={node.name()}, output {nr}), and gradmap's Python walk cannot find it among "
+        f"gradmap: f uses a tensor that requires grad and was computed before the call, or by "
+        f"f for another element (a cache f fills) (grad_fn={node.name()}, output {nr}), and "
+        "gradmap's Python walk cannot find it among "
         "the items and what f refers to (closure cells, defaults, globals its code names, bound "
         "self). Its gradient would be lost, so the map stops. Fix: let gradmap build its native "
         "walk, which needs no such search (install a C++ compiler and ninja, then run `python -m "
@@ -530,6 +535,22 @@ def versions_used(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[tuple[Ten
                 _collect(arg, found, seen, 0, items=True, every=True)
     _collect(f, found, seen, 0, every=True)
     return [(t, t._version) for t in found if not t.is_inference()]
+
+
+def leaves_before(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[Tensor]:
+    """The leaves requiring grad among the items, what ``f`` refers to, and the parameters of
+    its modules: those a map can tell existed before its call."""
+    found: list[Tensor] = []
+    seen: set[int] = set()
+    for args in elements:
+        for arg in args:
+            if isinstance(arg, Tensor):
+                found.append(arg)
+            elif not isinstance(arg, _SKIP):
+                _collect(arg, found, seen, 0, items=True, every=True)
+    _collect(f, found, seen, 0, every=True)
+    found += [p for m in modules_of(f) for p in m.parameters()]
+    return [t for t in found if t.is_leaf and t.requires_grad]
 
 
 def tensors_of(f: Any) -> list[Tensor]:

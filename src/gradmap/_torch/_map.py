@@ -66,7 +66,7 @@ def map_torch(request: MapRequest) -> list[Any]:
     )
     call = MapCall(request, early=early)
     if with_graph:
-        call.known = Known(f, elements, eager=call.off_caller)
+        call.known = Known(f, elements, eager=True)
     if early:
         pairs = forward_pulled_back(call, keep_graphs=True)
         return _join(call, [r for r, _ in pairs], [g for _, g in pairs])
@@ -221,6 +221,7 @@ class MapGraph(JoinGraph):
                 wanted=wanted(k),
                 nonzero=None if nonzero is None else chunk_nonzero(k, nonzero),
                 api=call.api,
+                made_before=call.made_before,
             )
 
         def chunk_nonzero(k: int, flags: list[bool]) -> list[bool]:

@@ -46,7 +46,7 @@ def sum_torch(request: MapRequest) -> Any:
         records = call.forward(False)
         results = [y for r in records for y in r.plain_results()]
         return sum_results(results, [r.count() for r in records])
-    call.known = Known(request.f, request.elements, eager=call.off_caller)
+    call.known = Known(request.f, request.elements, eager=True)
     return _sum_join(call, forward_pulled_back(call))
 
 
@@ -281,6 +281,7 @@ class _SumGraph(MapGraph):
                 rerun=call.recompute,
                 wanted=wanted(k),
                 api=call.api,
+                made_before=call.made_before,
             )
 
         return self.backward(
