@@ -503,8 +503,10 @@ class Host:
             if record.boundary.user:  # NOTE [chunks whose backward is user code] (``_graph``)
                 losses = False
             elif record.results is not None:  # NOTE [a chunk of bare tensors]
+                # (``dtype.is_complex``: NOTE [tensor methods that let go of the GIL] in
+                # ``_torch/_early``)
                 losses = record.results is record.outputs and all(
-                    y.dim() == 0 and not y.is_complex() for y in record.outputs
+                    y.dim() == 0 and not y.dtype.is_complex for y in record.outputs
                 )
             else:
                 # (bare tensors only: the sum of a chunk of ``(loss,)`` would lose its
@@ -513,7 +515,7 @@ class Host:
                     el.spec is None
                     and len(el.diff) == 1
                     and el.leaves[0].dim() == 0
-                    and not el.leaves[0].is_complex()
+                    and not el.leaves[0].dtype.is_complex
                     for el in record.elements
                 )
             grads = None
