@@ -5,10 +5,11 @@ sum of the chunks' gradients (NOTE [chunk-order sum])."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
-from gradmap._join import BACKWARD_TWICE, Spent, fold_pairs, sum_by_position
+from gradmap._join import BACKWARD_TWICE, OrderedSum, Spent, fold_pairs, sum_by_position
 from gradmap._plan import GROUPS, MAX_GROUP, plan_chunks
 
 
@@ -110,3 +111,56 @@ def test_a_group_added_up_by_a_worker_gives_the_drivers_sum():
         [[g for _, g in p] for p in pairs],
         _trace,
     )
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_gradients_added_as_they_come_give_the_sum_of_every_chunk(group):
+    """``OrderedSum`` (NOTE [gradients added as they come]): chunks put in any order, from
+    several threads at once, give ``sum_by_position``'s terms in its order; and a chunk waits
+    only while one before it has not come."""
+    rng = random.Random(group)
+    chunks, keys = 11, ["p", "q", "r"]
+    pairs = [[(key, f"{key}{k}") for key in keys if rng.random() < 0.7] for k in range(chunks)]
+    pairs[4] = None  # a chunk that did no backward work
+    index = {key: i for i, key in enumerate(keys)}
+    want = sum_by_position(
+        len(keys),
+        [[index[key] for key, _ in p or ()] for p in pairs],
+        [[g for _, g in p] if p is not None else None for p in pairs],
+        _trace,
+        [k // group for k in range(chunks)],
+    )
+
+    def got(summed: OrderedSum[str, str]) -> list[str | None]:
+        by_key = summed.result()
+        return [by_key.get(key) for key in keys]
+
+    for order in (
+        list(range(chunks)),
+        list(reversed(range(chunks))),
+        rng.sample(range(chunks), chunks),
+    ):
+        summed: OrderedSum[str, str] = OrderedSum(chunks, _trace, group)
+        for k in order:
+            summed.put(k, pairs[k])
+        assert got(summed) == want, order
+    summed = OrderedSum(chunks, _trace, group)
+    waiting = []
+    for k in range(chunks):  # in order: none waits
+        summed.put(k, pairs[k])
+        waiting.append(len(summed._waiting))
+    assert waiting == [0] * chunks
+    summed = OrderedSum(chunks, _trace, group)
+    start = threading.Barrier(4)
+
+    def put(ks: list[int]) -> None:
+        start.wait()
+        for k in ks:
+            summed.put(k, pairs[k])
+
+    threads = [threading.Thread(target=put, args=(list(range(i, chunks, 4)),)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got(summed) == want

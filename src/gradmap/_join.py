@@ -20,6 +20,7 @@ NOTE [chunk-order sum]:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import repeat
 from operator import is_
@@ -28,6 +29,7 @@ from typing import Generic, TypeVar
 __all__ = [
     "BACKWARD_TWICE",
     "JoinLayout",
+    "OrderedSum",
     "Spent",
     "fold_pairs",
     "groups_of",
@@ -71,6 +73,8 @@ class JoinLayout(Generic[T]):
                     self.inputs.append(obj)
                 where.append(p)
             self.positions.append(where)
+        #: Each key's place among ``inputs``.
+        self.index = index
         self.output_bounds: list[tuple[int, int]] = []
         lo = 0
         for count in output_counts:
@@ -159,6 +163,116 @@ def sum_by_position(
 
 
 K = TypeVar("K", bound=Hashable)
+
+
+class OrderedSum(Generic[K, G]):
+    """The chunk-order sum of NOTE [chunk-order sum], taken as the chunks' gradients come, in any
+    order and from any thread.
+
+    NOTE [gradients added as they come]:
+        The sum adds each key's gradients chunk by chunk in chunk order (a group's in a partial
+        sum, closed into the total when the next group starts), as ``sum_by_position`` does
+        over a list of every chunk's: the same additions in the same order, so the same bits.
+        But a chunk's gradients are added as soon as every chunk before it has been, and only
+        the chunks that came ahead of their turn wait: a map whose chunks each give a dense
+        gradient of a large tensor (an ``nn.Embedding`` table of 51 MB, read by every element)
+        held one such gradient per chunk until the last came (about 3.3 GB for 64 elements,
+        where the loop adds into one ``.grad``); here a few, about one per thread. The thread
+        whose chunk is next adds, outside the lock, the waiting chunks that follow it.
+
+        A sum this object made itself is its own, and the next gradient is added into it where
+        ``add_into`` can (dense tensors of one shape and dtype, no graph): a new 51 MB sum per
+        chunk made the adding thread fall behind the pullbacks (20 chunks waiting, 1.3 GB),
+        where adding in place, which is the same addition, keeps up. The gradients given are
+        never changed (a pullback may hand back a tensor someone else holds: a cotangent).
+
+    Arguments:
+        count: how many chunks there are (chunk ``k`` put once, ``0 <= k < count``).
+        add: adds two gradients (a new one: the ones given are not changed).
+        group: chunks per group (``ChunkPlan.group``).
+        add_into: adds the second gradient into the first, a sum of this object's, and returns
+            it (or returns a new sum where it cannot); ``None``: ``add`` throughout.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        add: Callable[[G, G], G],
+        group: int = 1,
+        add_into: Callable[[G, G], G] | None = None,
+    ) -> None:
+        self._count = count
+        self._add = add
+        self._add_into = add_into or add
+        self._group = group
+        self._lock = threading.Lock()
+        self._waiting: dict[int, Iterable[tuple[K, G | None]] | None] = {}
+        self._next = 0
+        self._adding = False
+        self._total: dict[K, G] = {}
+        self._partial: dict[K, G] = {}
+        self._own: set[tuple[bool, K]] = set()  # (partial?, key) of the sums made here
+
+    def put(self, k: int, pairs: Iterable[tuple[K, G | None]] | None) -> None:
+        """Chunk ``k``'s ``(key, gradient)`` pairs (``None`` gradients and chunks skipped)."""
+        with self._lock:
+            self._waiting[k] = pairs
+            if self._adding:
+                return  # the thread adding takes it in its turn
+            self._adding = True
+        try:
+            while True:
+                with self._lock:
+                    k = self._next
+                    if k not in self._waiting:
+                        self._adding = False
+                        return
+                    pairs = self._waiting.pop(k)
+                    self._next = k + 1
+                self._take(k, pairs)
+        except BaseException:
+            with self._lock:
+                self._adding = False
+            raise
+
+    def _take(self, k: int, pairs: Iterable[tuple[K, G | None]] | None) -> None:
+        grouped = self._group > 1
+        if grouped and k % self._group == 0:
+            self._close_group()
+        into = self._partial if grouped else self._total
+        for key, g in pairs or ():
+            if g is not None:
+                self._add_to(into, grouped, key, g)
+
+    def _add_to(self, into: dict[K, G], partial: bool, key: K, g: G) -> None:
+        current = into.get(key)
+        if current is None:
+            into[key] = g
+        elif (partial, key) in self._own:
+            into[key] = self._add_into(current, g)
+        else:
+            into[key] = self._add(current, g)
+            self._own.add((partial, key))
+
+    def _close_group(self) -> None:
+        for key, g in self._partial.items():
+            self._add_to(self._total, False, key, g)
+        self._partial = {}
+        self._own = {own for own in self._own if not own[0]}
+
+    def clear(self) -> None:
+        """Forget every gradient (a pass that failed: the traceback's frames, which a cycle may
+        keep alive for a while, hold this object, not the gradients)."""
+        with self._lock:
+            self._waiting, self._total, self._partial = {}, {}, {}
+
+    def result(self) -> dict[K, G]:
+        """Each key's sum, once every chunk is in."""
+        with self._lock:
+            assert self._next == self._count and not self._adding, "a chunk was not put"
+            if self._partial:
+                self._close_group()
+            return self._total
 
 
 def fold_pairs(

@@ -213,9 +213,9 @@ def learn_caller_seconds(f: Any, api: str, seconds_per_element: float) -> None:
         _history_of(f, ("caller", api)).caller = seconds_per_element
 
 
-#: The most bytes of early gradients (one per chunk and tensor the map reaches) a ``tmap`` keeps
-#: from its forward to its backward (NOTE [tmap's losses pulled back early] in ``_torch/_early``):
-#: past it, nothing is learnt.
+#: The most bytes of early gradients a ``tmap`` keeps from its forward to its backward (NOTE
+#: [tmap's losses pulled back early] in ``_torch/_early``): on threads a sum per tensor the map
+#: reaches, on worker processes counted as one per chunk and tensor. Past it, nothing is learnt.
 EARLY_BYTES = 256 * 2**20
 
 

@@ -25,9 +25,10 @@ NOTE [tmap's losses pulled back early]:
     again: a map never pulled back (an evaluation with grad mode on) leaves the next one
     without. ``f`` runs once per element either way; with ``c`` one the gradients are the bits
     the backward's pullbacks give (one root, as ``pull_back_sum``'s, gives each loss cotangent
-    one all the same: the tests check it). The price: each chunk's gradients are kept to the
-    backward (a model whose early gradients would pass ``EARLY_BYTES`` learns nothing), and
-    the graphs are freed after the backward, not during a pullback. An element whose pullback
+    one all the same: the tests check it). The price: the chunks' gradients, added up as they
+    come (NOTE [gradients added as they come] in ``_join``), are kept to the backward (a model
+    whose early gradients would pass ``EARLY_BYTES`` learns nothing), and the graphs are freed
+    after the backward, not during a pullback. An element whose pullback
     fails is left to the backward, which raises the loop's error naming it.
 
     Measured (2 cores, early pullback off and on alternated in one process, medians of 7-9):
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun, run_pipeline
+from .._join import JoinLayout, OrderedSum
 from .._progress import open_progress
 from ._call import MapCall
 from ._chunk import (
@@ -62,7 +64,16 @@ from ._graph import batched, hooked
 from ._random import MapRandom, moved_by
 from ._state import ThreadState
 
-__all__ = ["forward_pulled_back", "loss_like", "one_cotangent", "scaled_sum", "unscaled"]
+__all__ = [
+    "EarlyGradients",
+    "add_into",
+    "early_then_rest",
+    "forward_pulled_back",
+    "loss_like",
+    "one_cotangent",
+    "scaled_sum",
+    "unscaled",
+]
 
 Tensor = torch.Tensor
 
@@ -136,15 +147,65 @@ def _real_scalar(t: Tensor) -> bool:
     return t.dim() == 0 and not t.dtype.is_complex
 
 
+def add_into(total: Tensor, g: Tensor) -> Tensor:
+    """``total + g``, written into ``total`` (a sum of ``OrderedSum``'s own) where that is the
+    same addition: dense tensors of one shape, dtype and device, neither in a graph (a
+    ``create_graph`` backward's are); else a new sum."""
+    if (
+        total.layout == torch.strided
+        and g.layout == torch.strided
+        and total.shape == g.shape
+        and total.dtype == g.dtype
+        and total.device == g.device
+        and not (total.requires_grad or g.requires_grad)
+    ):
+        return total.add_(g)
+    return total + g
+
+
+class EarlyGradients:
+    """The gradients of the chunks pulled back in the forward, added up in chunk order as they
+    come (NOTE [gradients added as they come] in ``_join``), and which chunks they are."""
+
+    def __init__(self, count: int, group: int) -> None:
+        self._sum: OrderedSum[Any, Tensor] = OrderedSum(count, torch.add, group, add_into)
+        #: Whether each chunk was pulled back in the forward.
+        self.pulled = [False] * count
+        self._layout: Any = None
+        self._first: list[Tensor | None] | None = None
+
+    def put(self, k: int, record: ChunkRecord, grads: list[Tensor | None] | None) -> None:
+        """Chunk ``k``'s gradients, one per boundary entry (``None``: not pulled back)."""
+        if grads is not None:
+            self.pulled[k] = True
+        self._sum.put(k, None if grads is None else zip(record.boundary.keys, grads))
+
+    def clear(self) -> None:
+        """Forget every gradient (a forward that failed: ``OrderedSum.clear``)."""
+        self._sum.clear()
+        self._first = None
+
+    def added(self, layout: JoinLayout[Tensor]) -> list[Tensor | None]:
+        """The early chunks' gradients added up, one per join input (the same list each time)."""
+        if self._layout is not layout:
+            first: list[Tensor | None] = [None] * len(layout.inputs)
+            for key, g in self._sum.result().items():
+                first[layout.index[key]] = g
+            self._layout, self._first = layout, first
+        assert self._first is not None
+        return self._first
+
+
 def forward_pulled_back(
     call: MapCall, keep_graphs: bool = False
-) -> list[tuple[ChunkRecord, list[Tensor | None] | None]]:
-    """Every chunk's forward, each loss-like chunk pulled back with cotangent one at once.
-    ``keep_graphs`` (a ``tmap``): each chunk keeps its graph for a backward with other
-    cotangents, and is pulled back by ``pull_back``, as that backward would (NOTE [tmap's
-    losses pulled back early] in ``_map``)."""
+) -> tuple[list[ChunkRecord], EarlyGradients]:
+    """Every chunk's forward, each loss-like chunk pulled back with cotangent one at once, its
+    gradients added up as they come. ``keep_graphs`` (a ``tmap``): each chunk keeps its graph
+    for a backward with other cotangents, and is pulled back by ``pull_back``, as that backward
+    would (NOTE [tmap's losses pulled back early] in ``_map``)."""
     f, elements, plan = call.f, call.elements, call.plan
     assert f is not None and elements is not None
+    gradients = EarlyGradients(plan.count, plan.group)
     placement = call.placement
     call.random.each = placement.seeds_each or call.remat  # a recompute replays each
     call.versions_before(True)
@@ -161,9 +222,14 @@ def forward_pulled_back(
             leaf_results=keep_graphs,  # NOTE [leaves returned as they are]
         )
 
-    def early(
-        k: int, record: ChunkRecord, pulled: deque[ChunkRecord] | None = None
-    ) -> tuple[ChunkRecord, list[Tensor | None] | None]:
+    def early(k: int, record: ChunkRecord, pulled: deque[ChunkRecord] | None = None) -> ChunkRecord:
+        grads = pulled_back(k, record, pulled)
+        gradients.put(k, record, grads)
+        return record
+
+    def pulled_back(
+        k: int, record: ChunkRecord, pulled: deque[ChunkRecord] | None
+    ) -> list[Tensor | None] | None:
         # A boundary tensor's own hooks (and retained gradient) are set aside only around the
         # sum's backward (``hooks_quiet``): such chunks are pulled back there.
         hooks = not call.gated and hooked(record.boundary.tensors)
@@ -172,17 +238,17 @@ def forward_pulled_back(
         if not record.stored or not loss_like(record) or hooks:
             if call.remat:
                 record.drop_graph()
-            return record, None
+            return None
         if keep_graphs:
-            return record, pull_back_kept(record, owner=call.owner)
+            return pull_back_kept(record, owner=call.owner)
         grads = pull_back_sum(record, n=call.n, owner=call.owner, api=call.api)
         if grads is ACCUMULATE or grads is DEFERRED:  # pulled back (recomputed) in the backward
-            return record, None
+            return None
         if pulled is not None:
             pulled.append(record)
         else:
             record.drop_graph()
-        return record, grads
+        return grads
 
     def pipeline() -> Any:
         bar = open_progress(call.progress, "forward", plan.n, call.api)
@@ -223,21 +289,39 @@ def forward_pulled_back(
             if bar is not None:
                 bar.close()
 
-    if placement.many:
+    try:
+        if placement.many:
 
-        def both(k: int, run: ChunkRun[Any]) -> Any:
-            return early(k, forward(k, lambda: run.stopped(k), None))
+            def both(k: int, run: ChunkRun[Any]) -> ChunkRecord:
+                return early(k, forward(k, lambda: run.stopped(k), None))
 
-        call.random.draw_base()  # NOTE [the generator after a map] in ``_random``
-        out, drew = moved_by(
-            lambda: placement.timed(lambda: call.run_pass("forward", both), call.n)
-        )
-        placement.learned_random(drew)
-    else:
-        out = placement.timed(pipeline, call.n)
-    placement.learned_random(call.random.drew)
-    call.note_versions(True)
-    return out  # type: ignore[return-value]
+            call.random.draw_base()  # NOTE [the generator after a map] in ``_random``
+            out, drew = moved_by(
+                lambda: placement.timed(lambda: call.run_pass("forward", both), call.n)
+            )
+            placement.learned_random(drew)
+        else:
+            out = placement.timed(pipeline, call.n)
+        placement.learned_random(call.random.drew)
+        call.note_versions(True)
+    except BaseException:
+        gradients.clear()
+        raise
+    return out, gradients
+
+
+def early_then_rest(
+    first: list[Tensor | None] | None, scale: Tensor | None, rest: list[Tensor | None]
+) -> list[Tensor | None]:
+    """A sum's gradients on threads: ``first``, the early chunks' gradients added up
+    (``EarlyGradients.added``; ``None`` where none is used), multiplied by ``scale`` (``None``:
+    one), then ``rest``, the other chunks' added up, added to that: ``scaled_sum``'s additions,
+    in its order (NOTE [early gradients scaled once] in ``_sum``)."""
+    if first is None:
+        return rest
+    if scale is not None:
+        first = [None if g is None else g * scale for g in first]
+    return [b if a is None else a if b is None else a + b for a, b in zip(first, rest)]
 
 
 def scaled_sum(

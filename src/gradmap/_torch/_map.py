@@ -22,13 +22,20 @@ from typing import Any
 import torch
 
 from .._engine import ChunkRun
-from .._join import JoinLayout, Spent, sum_in_chunk_order
+from .._join import JoinLayout, OrderedSum, Spent
 from .._placement import EARLY_BYTES, key_of, learn_uniform_cotangents, uniform_cotangents
 from .._request import MapRequest
 from .._tree import fill_leaves
 from ._call import CALLER, MapCall
 from ._chunk import ACCUMULATE, ChunkRecord, nonzero_stacked, pull_back, stack_small
-from ._early import forward_pulled_back, one_cotangent, scaled_sum, unscaled
+from ._early import (
+    EarlyGradients,
+    add_into,
+    early_then_rest,
+    forward_pulled_back,
+    one_cotangent,
+    unscaled,
+)
 from ._graph import (
     BlockHooks,
     Known,
@@ -68,8 +75,8 @@ def map_torch(request: MapRequest) -> list[Any]:
     if with_graph:
         call.known = Known(f, elements, eager=True)
     if early:
-        pairs = forward_pulled_back(call, keep_graphs=True)
-        return _join(call, [r for r, _ in pairs], [g for _, g in pairs])
+        records, gradients = forward_pulled_back(call, keep_graphs=True)
+        return _join(call, records, gradients)
     records = call.forward(with_graph)
     if not with_graph:
         return [y for r in records for y in r.plain_results()]
@@ -77,12 +84,10 @@ def map_torch(request: MapRequest) -> list[Any]:
 
 
 def _join(
-    call: MapCall,
-    records: list[ChunkRecord],
-    early: list[list[Tensor | None] | None] | None = None,
+    call: MapCall, records: list[ChunkRecord], early: EarlyGradients | None = None
 ) -> list[Any]:
-    """Wire the chunks' results into the caller's graph through one join node (``early``: each
-    chunk's gradients with cotangent one, where it was pulled back in the forward)."""
+    """Wire the chunks' results into the caller's graph through one join node (``early``: the
+    gradients with cotangent one of the chunks pulled back in the forward)."""
     layout = layout_of(records)
     outputs = [t for r in records for t in r.outputs]
     if outputs and layout.inputs:
@@ -149,12 +154,12 @@ class MapGraph(JoinGraph):
         call: MapCall,
         records: list[ChunkRecord],
         layout: JoinLayout[Tensor],
-        early: list[list[Tensor | None] | None] | None = None,
+        early: EarlyGradients | None = None,
     ):
         self.call = call
         self.records: list[ChunkRecord] | None = records
         self.layout = layout
-        #: NOTE [tmap's losses pulled back early]: each chunk's gradients with cotangent one.
+        #: NOTE [tmap's losses pulled back early]: the chunks' gradients with cotangent one.
         self.ones = early
         self.key = key_of(call.f)
         self.outputs = [t for r in records for t in r.outputs]
@@ -203,12 +208,11 @@ class MapGraph(JoinGraph):
             learn_uniform_cotangents(self.key, one is not None and self.early_fits())
         early = self.ones if one is not None and fresh is None and not self.retained else None
         scale = None if one is None or unscaled(one, not free_graph) else one
-        early_chunks: set[int] = set()
+        first = None if early is None or not any(early.pulled) else early.added(layout)
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
-            if early is not None and early[k] is not None:
-                early_chunks.add(k)
-                return early[k]
+            if first is not None and early is not None and early.pulled[k]:
+                return None  # (in ``first``)
             return pull_back(
                 records[k],
                 chunk_cotangents(k),
@@ -238,16 +242,15 @@ class MapGraph(JoinGraph):
             create_graph=create_graph,
             recomputes=fresh is not None,
             batched=under_vmap,
-            add_up=None
-            if early is None
-            else (lambda per_chunk: scaled_sum(per_chunk, early_chunks, scale, self.sum_chunks)),
+            first=first,
+            scale=scale,
         )
 
     def early_fits(self) -> bool:
-        """Whether a gradient per chunk of every join input stays within ``EARLY_BYTES`` (NOTE
-        [tmap's losses pulled back early])."""
-        count = len(self.records or ())
-        return sum(t.numel() * t.element_size() for t in self.layout.inputs) * count <= EARLY_BYTES
+        """Whether a gradient of every join input stays within ``EARLY_BYTES`` (NOTE [tmap's
+        losses pulled back early]): the early chunks' gradients are added up as they come, one
+        sum per tensor kept to the backward (NOTE [gradients added as they come])."""
+        return sum(t.nbytes for t in self.layout.inputs) <= EARLY_BYTES
 
     def chunk_spent(self, k: int) -> bool:
         """Whether backwards that free the graph went through all of chunk ``k``'s results."""
@@ -271,11 +274,14 @@ class MapGraph(JoinGraph):
         create_graph: bool,
         recomputes: bool,
         batched: bool = False,
-        add_up: Callable[[list[Any]], list[Tensor | None]] | None = None,
+        first: list[Tensor | None] | None = None,
+        scale: Tensor | None = None,
     ) -> list[Tensor | None]:
-        """The join's backward: every chunk's pullback on the executor, the chunks that need a
-        plain ``backward()`` after them (NOTE [reentrant checkpoint]), the chunk-order sum
-        (``add_up``: another sum of the per-chunk gradients).
+        """The join's backward: every chunk's pullback on the executor, its gradients added in
+        chunk order as they come (NOTE [gradients added as they come] in ``_join``), the chunks
+        that need a plain ``backward()`` after them (NOTE [reentrant checkpoint]); and ``first``,
+        the gradients of the chunks pulled back in the forward, added up (``None``: none; their
+        ``backward_chunk`` gives ``None``), times ``scale`` (``early_then_rest``).
         ``batched``: a backward under vmap, whose levels only this thread knows: the chunks are
         pulled back here, one after another."""
         call, layout, records = self.call, self.layout, self.records
@@ -289,19 +295,36 @@ class MapGraph(JoinGraph):
         # NOTE [pullbacks on threads of their own] (``_executors``)
         pullbacks = serial or call.executor.for_pullbacks()
         quiet = nullcontext() if gated else hooks_quiet(layout.inputs)
-        with quiet, buffers_kept(call.f) if recomputes else nullcontext():
-            per_chunk = call.run_pass(
-                "backward",
-                backward_chunk,
-                executor=pullbacks,
-                reverse=call.executor.reverse_backward,
-                context=state.enter,
-            )
-        for k, grads_k in enumerate(per_chunk):
-            if grads_k is ACCUMULATE:
-                _accumulate(call, records[k], chunk_cotangents(k))
-                per_chunk[k] = None  # the plain backward passed everything on
-        grads = (add_up or self.sum_chunks)(per_chunk)
+        into = None if create_graph or batched else add_into  # (no sum in place in a graph)
+        summed: OrderedSum[int, Tensor] = OrderedSum(len(records), torch.add, call.plan.group, into)
+        positions = layout.positions
+        plain: list[int] = []  # chunks to pull back with a plain backward()
+
+        def pulled_back(k: int, run: ChunkRun[Any]) -> None:
+            grads = backward_chunk(k, run)
+            if grads is ACCUMULATE:
+                plain.append(k)
+                grads = None  # the plain backward passes everything on
+            summed.put(k, None if grads is None else zip(positions[k], grads))
+
+        try:
+            with quiet, buffers_kept(call.f) if recomputes else nullcontext():
+                call.run_pass(
+                    "backward",
+                    pulled_back,
+                    executor=pullbacks,
+                    reverse=call.executor.reverse_backward,
+                    context=state.enter,
+                )
+        except BaseException:
+            summed.clear()
+            raise
+        for k in sorted(plain):
+            _accumulate(call, records[k], chunk_cotangents(k))
+        rest: list[Tensor | None] = [None] * len(layout.inputs)
+        for p, g in summed.result().items():
+            rest[p] = g
+        grads = early_then_rest(first, scale, rest)
         for ref, record, o in self.retained:  # NOTE [results that retain their gradient]
             alias = ref()
             if record.stored:
@@ -322,10 +345,6 @@ class MapGraph(JoinGraph):
                     if record.stored and self.chunk_spent(k):
                         record.drop_graph()
         return grads
-
-    def sum_chunks(self, per_chunk: list[Any]) -> list[Tensor | None]:
-        """The chunks' gradients added (NOTE [chunk-order sum] in ``_join``)."""
-        return sum_in_chunk_order(self.layout, per_chunk, torch.add, self.call.plan.group)
 
 
 def _accumulate(call: MapCall, record: ChunkRecord, cotangents: Sequence[Tensor | None]) -> None:

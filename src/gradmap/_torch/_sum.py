@@ -14,7 +14,7 @@ from .._request import MapRequest
 from .._tree import flatten, unflatten
 from ._call import MapCall
 from ._chunk import ChunkRecord, pull_back
-from ._early import forward_pulled_back, scaled_sum, unscaled
+from ._early import EarlyGradients, forward_pulled_back, unscaled
 from ._graph import Known, batched, caller_only, keep_graph
 from ._map import MapGraph, map_torch
 from ._node import JoinNode, layout_of
@@ -47,7 +47,7 @@ def sum_torch(request: MapRequest) -> Any:
         results = [y for r in records for y in r.plain_results()]
         return sum_results(results, [r.count() for r in records])
     call.known = Known(request.f, request.elements, eager=True)
-    return _sum_join(call, forward_pulled_back(call))
+    return _sum_join(call, *forward_pulled_back(call))
 
 
 def sum_results(
@@ -96,9 +96,8 @@ def sum_results(
     return unflatten(total, spec)
 
 
-def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None] | None]]) -> Any:
+def _sum_join(call: MapCall, records: list[ChunkRecord], early: EarlyGradients) -> Any:
     """The sum of every element's result, one join node for its differentiable leaves."""
-    records = [r for r, _ in chunks]
     first = records[0]
     if first.results is not None:
         spec, width = None, 1
@@ -143,7 +142,7 @@ def _sum_join(call: MapCall, chunks: list[tuple[ChunkRecord, list[Tensor | None]
     diff = sorted(differentiable)
     layout = layout_of(records)
     if diff and layout.inputs:
-        graph = _SumGraph(call, chunks, layout, [sums[j] for j in diff], diff)
+        graph = _SumGraph(call, records, early, layout, [sums[j] for j in diff], diff)
         joined = _SumJoin.apply(graph, *layout.inputs)
         for j, t in zip(diff, joined):
             sums[j] = t
@@ -211,13 +210,14 @@ class _SumGraph(MapGraph):
     def __init__(
         self,
         call: MapCall,
-        chunks: list[tuple[ChunkRecord, list[Tensor | None] | None]],
+        records: list[ChunkRecord],
+        early: EarlyGradients,
         layout: JoinLayout[Tensor],
         sums: list[Tensor],
         diff: list[int],
     ) -> None:
-        super().__init__(call, [r for r, _ in chunks], layout)
-        self.early = [g for _, g in chunks]
+        super().__init__(call, records, layout)
+        self.early = early
         self.outputs = sums
         self.spent = Spent(len(sums))  # (a sum of pytrees: a sum per leaf)
         self.place = {j: i for i, j in enumerate(diff)}  # a result leaf's place among the sums
@@ -247,11 +247,11 @@ class _SumGraph(MapGraph):
 
         def recomputed(k: int) -> bool:
             # Early chunks' graphs are gone; others are kept unless remat dropped them.
-            return create_graph or self.early[k] is not None or not records[k].stored
+            return create_graph or self.early.pulled[k] or not records[k].stored
 
         if call.remat or create_graph:  # NOTE [a recompute reads what the forward read]
             runs_f = create_graph or any(
-                self.early[k] is None and not r.stored for k, r in enumerate(records)
+                not self.early.pulled[k] and not r.stored for k, r in enumerate(records)
             )
             call.check_versions(runs_f)
         wanted = self.wanted(ctx)
@@ -261,15 +261,14 @@ class _SumGraph(MapGraph):
         # once per tensor, not once per chunk; worker processes send a group's gradients
         # added up, and the same order gives the same bits there (``_remote/_map``).
         scale = None if c is None or unscaled(c, not free_graph) else c
-        early_chunks: set[int] = set()
+        pulled = self.early.pulled
+        first = (
+            None if create_graph or c is None or not any(pulled) else self.early.added(self.layout)
+        )
 
         def backward_chunk(k: int, run: ChunkRun[Any]) -> Any:
-            early = self.early[k]
-            if early is not None and not create_graph:
-                if c is None:
-                    return None
-                early_chunks.add(k)
-                return early
+            if pulled[k] and not create_graph:
+                return None  # (in ``first``, or no cotangent)
             return pull_back(
                 records[k],
                 chunk_cotangents(k),
@@ -290,5 +289,6 @@ class _SumGraph(MapGraph):
             create_graph=create_graph,
             recomputes=create_graph or any(not r.stored for r in records),
             batched=batched(cotangents),
-            add_up=lambda per_chunk: scaled_sum(per_chunk, early_chunks, scale, self.sum_chunks),
+            first=first,
+            scale=scale,
         )
