@@ -125,6 +125,15 @@ class Boom(ValueError):
     """The exception the tests' ``f`` raises on purpose."""
 
 
+class Diverged(RuntimeError):
+    """An error whose ``__init__`` takes other arguments than it passes on (a solver's): it
+    does not load from its default pickle."""
+
+    def __init__(self, step: int, residual: float) -> None:
+        super().__init__(f"diverged at step {step} (residual {residual})")
+        self.step = step
+
+
 def notes(exc: BaseException) -> str:
     """All notes of ``exc``, one a line."""
     return "\n".join(getattr(exc, "__notes__", []))

@@ -9,9 +9,11 @@ One executor of 2 workers serves the whole module (a worker takes about 1.5 s to
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -651,6 +653,24 @@ def test_a_map_takes_one_draw_from_the_generator(ex):
             torch.manual_seed(3)
             gradmap.tsum(f, xs, executor=ex, chunksize=2)
             assert float(torch.rand(())) == want
+
+
+def test_a_generator_f_holds_is_refused_and_one_per_item_is_not(ex):
+    """``f`` drawing from a ``torch.Generator`` it holds: each worker would draw from a copy in
+    one state (the same numbers on every worker, silently); refused, naming the fixes. A
+    generator per element, passed as an item, draws as in the loop."""
+    xs = [torch.randn(4, requires_grad=True) for _ in range(8)]
+    gen = torch.Generator().manual_seed(5)
+    with pytest.raises(RuntimeError, match=r"torch\.Generator of its own"):
+        gradmap.tmap(lambda x: (x * torch.randn(4, generator=gen)).sum(), xs, executor=ex)
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+
+    def f(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        return (x * torch.randn(4, generator=g)).sum()
+
+    want = loop(f, xs, gens)
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+    close(gradmap.tmap(f, xs, gens, executor=ex), want)
 
 
 def test_a_large_pickle_of_f_is_told_once(ex, monkeypatch):
@@ -1392,10 +1412,11 @@ from torch import nn
 
 SCALE = 1.0
 CONF = {"k": 1.0}
+MEAN = torch.zeros(3)
 
 
 def _scaled(x):
-    return x * SCALE * CONF["k"]
+    return (x - MEAN) * SCALE * CONF["k"]
 
 
 def f(x):
@@ -1441,6 +1462,15 @@ for fn in (m.f, net, net.forward):
     else:
         sys.exit(f"no error for CONF on {fn!r}")
     m.CONF["k"] = 1.0
+    m.MEAN.add_(0.5)  # a tensor changed in place (NOTE [tensor settings])
+    try:
+        run(fn, xs)
+    except WorkerViewError as e:
+        assert "settings_mod.MEAN is tensor(dtype=torch.float32, shape=(3,)" in str(e), e
+    else:
+        sys.exit(f"no error for MEAN on {fn!r}")
+    m.MEAN.zero_()
+    assert torch.allclose(torch.stack(run(fn, xs)), torch.stack([fn(x) for x in xs]))
 ex.shutdown()
 print("ok")
 """
@@ -1500,3 +1530,94 @@ def test_a_forked_child_starts_workers_of_its_own_and_leaves_the_parents(ex):
     assert not set(theirs) & set(mine)
     assert _pids(ex) == mine
     torch.testing.assert_close(gradmap.tsum(f, torch.ones(8, 3), executor=ex, chunksize=2), want)
+
+
+@deadline(60)
+def test_a_backward_after_another_executor_stopped_the_workers():
+    """A map whose backward is still to come, then another executor's block ends, stopping the
+    workers they share: the backward starts them again and gives the loop's gradients (a
+    stopped worker's calls in flight were left pending, and it was never started again: the
+    backward waited ``start_timeout`` and failed)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    xs = [torch.randn(3, 4) for _ in range(12)]
+    weights = torch.linspace(0.5, 2.0, len(xs))  # (cotangents other than one: graphs kept)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).sum()
+
+    want = torch.autograd.grad((torch.stack(loop(f, xs)) * weights).sum(), model.weight)[0]
+    with gradmap.ProcessExecutor(1, start_timeout=20) as ex:
+        ys = gradmap.tmap(f, xs, executor=ex)
+        with gradmap.ProcessExecutor(1) as other:
+            gradmap.tsum(lambda x: x.sum(), xs, executor=other)
+        got = torch.autograd.grad((torch.stack(ys) * weights).sum(), model.weight)[0]
+    close(got, want)
+
+
+def test_a_tensor_f_uses_resized_after_a_map_raises_rather_than_crashing(tmp_path):
+    """NOTE [shared storages are not resizable]: a tensor ``f`` reads moves to shared memory in
+    place, where PyTorch crashes resizing it (SIGSEGV): after a map, ``resize_`` raises
+    PyTorch's error instead. (In a child process: the crash took the whole run down.)"""
+    script = tmp_path / "resize.py"
+    script.write_text(_RESIZED)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "not resizable" in done.stdout
+
+
+_RESIZED = """
+import torch, gradmap
+
+if __name__ == "__main__":
+    cache = torch.zeros(4)
+    xs = [torch.randn(4) for _ in range(8)]
+    with gradmap.ProcessExecutor(1, caller_helps=False) as ex:
+        gradmap.tmap(lambda x: (x * cache).sum(), xs, executor=ex)
+    try:
+        cache.resize_(8)
+    except RuntimeError as e:
+        print("raised:", e)
+"""
+
+
+def test_an_error_that_does_not_load_from_its_pickle_keeps_its_class(ex):
+    """NOTE [an error that does not load] (``_process/_worker``): a worker's exception whose
+    ``__init__`` takes other arguments than it passes on comes back as its own class, with its
+    attributes (it came back a ``RuntimeError`` that ``except Diverged`` missed)."""
+
+    def f(i: int) -> torch.Tensor:
+        if i == 2:
+            raise support.Diverged(7, 0.5)
+        return torch.ones(())
+
+    with pytest.raises(support.Diverged, match="diverged at step 7") as caught:
+        gradmap.tmap(f, range(4), executor=ex)
+    assert caught.value.step == 7
+    assert "element 2" in support.notes(caught.value)
+
+
+@deadline(120)
+def test_a_lost_workers_chunks_recomputed_update_running_statistics_once():
+    """NOTE [buffers a recompute updates] (``_remote/_map``): a worker killed between a map's
+    forward and its backward; its chunks are recomputed by a new one, whose forward must not
+    update BatchNorm's running statistics a second time (they were: 48 batches tracked where
+    the loop tracks 24). One worker, so that the updates are not racy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).double()
+    xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(12)]
+    weights = torch.linspace(0.5, 2.0, len(xs), dtype=torch.float64)  # (graphs kept)
+    mapped = copy.deepcopy(model)
+    (torch.stack(loop(lambda x: model(x).pow(2).sum(), xs)) * weights).sum().backward()
+    with warnings.catch_warnings(), gradmap.ProcessExecutor(1, caller_helps=False) as ex:
+        warnings.simplefilter("ignore")  # (running statistics on worker processes)
+        ys = gradmap.tmap(lambda x: mapped(x).pow(2).sum(), xs, executor=ex)
+        for pid in ex.worker_pids():
+            os.kill(pid, signal.SIGKILL)
+        (torch.stack(ys) * weights).sum().backward()
+    assert mapped[1].num_batches_tracked == model[1].num_batches_tracked
+    close(mapped[1].running_mean, model[1].running_mean)
+    for a, b in zip(mapped.parameters(), model.parameters()):
+        close(a.grad, b.grad)

@@ -102,10 +102,13 @@ class Sharer:
             # a numpy array points at (``t.numpy()``): moved, the array would lose the tensor,
             # or point at freed memory. By value.
             return None
+        moved = not storage.is_shared()
         try:
             fd, size = storage._share_fd_cpu_()  # in place; returns the same fd once shared
         except Exception:
             return None  # a storage that cannot move (from numpy), or shared by file name
+        if moved:
+            _not_resizable(storage)
         stat = os.fstat(fd)
         key = (stat.st_dev, stat.st_ino)
         if key not in self._fds:
@@ -162,3 +165,20 @@ def _rebuild(
     if storage is None:  # in the caller: a chunk it runs itself
         storage = caller_storages[key]
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+
+
+def _not_resizable(storage: torch.UntypedStorage) -> None:
+    """Mark a storage moved into shared memory as not resizable.
+
+    NOTE [shared storages are not resizable]:
+        PyTorch (2.13, CPU) crashes the process (SIGSEGV) resizing a storage in shared memory
+        (``t.share_memory_(); t.resize_(8)``, no gradmap involved), and a tensor ``f`` uses is
+        moved there in place: a later ``resize_`` of it, or an ``out=`` tensor of another size,
+        crashed the user's program after a map, where it works after the loop. Marked not
+        resizable, it raises PyTorch's "Trying to resize storage that is not resizable"
+        instead. The mark is the one a numpy view of the bytes leaves (PyTorch has no other way
+        to set it from Python); it lasts as long as the storage.
+    """
+    if storage.nbytes():
+        view = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        view.numpy()  # (the array goes at once; the storage stays marked)

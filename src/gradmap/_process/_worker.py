@@ -82,10 +82,43 @@ def _dumps(reply: Any) -> bytes:
 
 def _error(exc: BaseException) -> tuple[str, bytes | None, str]:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        import cloudpickle
+    import cloudpickle
 
-        payload: bytes | None = cloudpickle.dumps(exc, protocol=5)
+    payload: bytes | None
+    try:
+        payload = cloudpickle.dumps(exc, protocol=5)
+        pickle.loads(payload)
     except Exception:
-        payload = None
+        # NOTE [an error that does not load]: an exception pickles as its class and args, and
+        # loads by calling the class with them; one whose __init__ takes other arguments than
+        # it passes on (``SolverDiverged(step, residual)`` calling ``super().__init__(text)``)
+        # does not load, and came back a RuntimeError that ``except SolverDiverged`` missed.
+        # Such an error travels as its class, args and attributes, made without __init__.
+        try:
+            payload = cloudpickle.dumps(_Rebuilt(exc), protocol=5)
+        except Exception:
+            payload = None
     return ("error", payload, text)
+
+
+class _Rebuilt:
+    """An exception that pickles as its class, args and attributes (NOTE [an error that does
+    not load])."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        exc = self.exc
+        return rebuilt_error, (type(exc), exc.args, dict(getattr(exc, "__dict__", {})))
+
+
+def rebuilt_error(
+    cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]
+) -> BaseException:
+    """An exception of ``cls`` with ``args`` and attributes ``state``, made without its
+    ``__init__``."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc

@@ -240,6 +240,12 @@ class Worker:
                 self.process.kill()
                 self.process.wait(timeout=timeout)
         self.alive = False
+        # Its calls in flight are lost, as when it dies: a call left pending (one a map stopped
+        # waiting for) kept the stopped worker from being started again, and a later backward
+        # waited start_timeout for it before failing.
+        while self.pending:
+            call = self.pending.popleft()
+            call.lost = call.done = True
 
 
 def _remote_error(payload: bytes | None, text: str, worker: Worker) -> BaseException:

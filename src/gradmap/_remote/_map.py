@@ -157,7 +157,7 @@ class _Driver(JoinGraph):
         self.timeout = executor.timeout
         self.restart_timeout = executor.start_timeout
         self.remat = remat
-        self.f = f if remat else None  # whose buffers the recomputes must leave as they are
+        self.f = f  # whose buffers the recomputes must leave as they are
         self.key = key_of(f)  # (what the backward learns of the cotangents is kept under it)
         self.progress = progress
         self.box = transport.box(f_payload)
@@ -408,8 +408,15 @@ class _Driver(JoinGraph):
 
         in_pass = _per_group((j.chunk for j in jobs), plan.group)
 
+        buffers = contextlib.ExitStack()
+        buffers_taken: list[bool] = []
+
         def submit(jobs: list[Job], a: int, recompute: bool) -> Any:
             if recompute:
+                if not buffers_taken:
+                    # (a lost worker's chunks, or remat's: NOTE [buffers a recompute updates])
+                    buffers.enter_context(buffers_kept(self.f))
+                    buffers_taken.append(True)
                 chunks = [
                     (
                         plan.bounds(k)[0],
@@ -439,9 +446,12 @@ class _Driver(JoinGraph):
         if jobs or (one is not None and early_chunks):
             self.check_versions()
         try:
-            # Workers update the caller's buffers in shared memory (BatchNorm's running
-            # statistics): the forward did, once; the recomputes must not again.
-            with buffers_kept(self.f):
+            # NOTE [buffers a recompute updates]: workers update the caller's buffers in shared
+            # memory (BatchNorm's running statistics): the forward did, once; a recompute (under
+            # remat, or of a lost worker's chunks) must not again. So the buffers are taken
+            # before the first recompute is sent and put back after the pass (a pullback of a
+            # kept graph updates none: a pass without recomputes takes nothing).
+            with buffers:
                 if jobs:
                     self._run(jobs, submit, on_result)
         finally:

@@ -398,6 +398,19 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                         return _identity, (shared,)
                 return _reduce_tensor(obj)
         kind = type(obj)
+        if kind is torch.Generator and self._share is not None:
+            # f draws from a generator it holds (not the global one, which gradmap seeds per
+            # element): each worker would draw from a copy in the same state, and elements on
+            # different workers would get the same numbers.
+            raise RuntimeError(
+                f"gradmap: f holds a torch.Generator of its own (a {obj.device.type} "
+                "generator). On worker processes each worker would draw "
+                "from a copy of it in the same state, so elements on different workers would "
+                "get the same random numbers, and yours would not advance. Draw from the global "
+                "generator in f (torch.randn(..., generator=None): gradmap seeds it per element, "
+                "the same draws on every executor), pass a generator or a seed per element as "
+                "an item, or use threads (executor='threads')."
+            )
         if kind is type:
             if obj.__module__ == "builtins" and _is_autograd_node_class(obj):
                 return _autograd_node_class, (obj.__name__,)

@@ -6,7 +6,8 @@ worker process imports the module itself, so the module's globals there hold the
 values. A setting the caller changed at run time (``mymod.SCALE = 3.0``, ``mymod.CONF["k"] =
 2``) is then another value in the workers than in the loop, and the results differ silently (the
 caller's own chunks see the caller's value, so even one map mixes both). Tensors that require
-grad are caught by the worker's boundary (``ForeignTensorError``); plain data is not, so the
+grad are caught by the worker's boundary (``ForeignTensorError``); plain data and other CPU
+tensors (by a digest of their bytes: NOTE [tensor settings]) are not, so the
 caller lists, per call, the plain-data globals that the functions it can see read: ``f`` (or its
 ``__call__``/``forward`` and the other methods of its classes and of its submodules' classes)
 and the functions of the same kind those name, a few levels deep, each as ``(module, name,
@@ -70,9 +71,9 @@ def settings_of(f: Any) -> tuple[Setting, ...]:
             if isinstance(value, types.FunctionType):
                 if depth < _DEPTH and _by_reference(value):
                     todo.append((value, depth + 1))
-            elif value is not _MISSING and _plain(value, [0]):
-                text = repr(value)
-                if len(text) <= _MAX_REPR:
+            elif value is not _MISSING:
+                text = _text(value)
+                if text is not None and len(text) <= _MAX_REPR:
                     found[module, name] = text
     return tuple((m, n, v) for (m, n), v in found.items())
 
@@ -89,7 +90,7 @@ def check_settings(settings: tuple[Setting, ...], api: str) -> None:
             except Exception:
                 continue
         value = vars(namespace).get(name, _MISSING)
-        mine = "<not set>" if value is _MISSING else repr(value)
+        mine = "<not set>" if value is _MISSING else (_text(value) or repr(value))
         if mine != text:
             differ.append(
                 f"{module}.{name} is {_short(text)} in the caller but {_short(mine)} in the workers"
@@ -206,6 +207,51 @@ def _uses(code: types.CodeType) -> tuple[set[str], set[str]]:
             loads |= inner_loads
             stores |= inner_stores
     return loads, stores
+
+
+def _text(value: Any) -> str | None:
+    """What is compared of a setting: a plain value's ``repr``; a tensor's dtype, shape and a
+    digest of its bytes (NOTE [tensor settings]); ``None`` for anything else."""
+    if _plain(value, [0]):
+        return repr(value)
+    torch = sys.modules.get("torch")
+    if torch is not None and type(value) is torch.Tensor:
+        return _tensor_text(value)
+    return None
+
+
+#: NOTE [tensor settings]: a module-global tensor ``f`` reads (``mymod.MEAN``, changed in place
+#: or rebound by the caller) is another tensor in a worker, which imported the module anew: the
+#: results differed from the loop's, silently (one that requires grad is refused at the
+#: boundary, ``ForeignTensorError``; this is for the others). It is compared by a digest of its
+#: bytes, kept while the tensor's version and data are the same (a caller's tensor is hashed
+#: once until it changes; the worker's own, once). Up to ``_MAX_DIGEST`` bytes; larger ones
+#: (and those on other devices or with other layouts) are not checked.
+_MAX_DIGEST = 64 * 2**20
+_digests: dict[int, tuple[Any, int, int, str]] = {}
+
+
+def _tensor_text(t: Any) -> str | None:
+    import hashlib
+
+    import torch
+
+    from ._pickling import raw_bytes
+
+    if t.requires_grad or t.device.type != "cpu" or t.layout != torch.strided:
+        return None
+    if t.numel() * t.element_size() > _MAX_DIGEST:
+        return None
+    kept = _digests.get(id(t))
+    if kept is not None and kept[0]() is t and kept[1:3] == (t._version, t.data_ptr()):
+        return kept[3]
+    flat = t.detach().resolve_conj().resolve_neg().contiguous()
+    digest = hashlib.blake2b(raw_bytes(flat), digest_size=16).hexdigest()
+    text = f"tensor(dtype={t.dtype}, shape={tuple(t.shape)}, bytes {digest})"
+    if len(_digests) > 1024:
+        _digests.clear()
+    _digests[id(t)] = (weakref.ref(t), t._version, t.data_ptr(), text)
+    return text
 
 
 def _plain(value: Any, count: list[int]) -> bool:
