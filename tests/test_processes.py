@@ -1537,7 +1537,8 @@ def test_a_backward_after_another_executor_stopped_the_workers():
     """A map whose backward is still to come, then another executor's block ends, stopping the
     workers they share: the backward starts them again and gives the loop's gradients (a
     stopped worker's calls in flight were left pending, and it was never started again: the
-    backward waited ``start_timeout`` and failed)."""
+    backward waited ``start_timeout`` and failed); and the next shutdown stops the worker it
+    started (its pool, stopped before, was no longer known: the worker ran on)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
     xs = [torch.randn(3, 4) for _ in range(12)]
@@ -1547,12 +1548,15 @@ def test_a_backward_after_another_executor_stopped_the_workers():
         return model(x).pow(2).sum()
 
     want = torch.autograd.grad((torch.stack(loop(f, xs)) * weights).sum(), model.weight)[0]
+    before = set(threading.enumerate())
     with gradmap.ProcessExecutor(1, start_timeout=20) as ex:
         ys = gradmap.tmap(f, xs, executor=ex)
         with gradmap.ProcessExecutor(1) as other:
             gradmap.tsum(lambda x: x.sum(), xs, executor=other)
         got = torch.autograd.grad((torch.stack(ys) * weights).sum(), model.weight)[0]
     close(got, want)
+    # the worker the backward started (a writer thread each) stopped with the block
+    assert not [t for t in threading.enumerate() if t.name == "gradmap-writer" and t not in before]
 
 
 def test_a_tensor_f_uses_resized_after_a_map_raises_rather_than_crashing(tmp_path):
@@ -1621,3 +1625,38 @@ def test_a_lost_workers_chunks_recomputed_update_running_statistics_once():
     close(mapped[1].running_mean, model[1].running_mean)
     for a, b in zip(mapped.parameters(), model.parameters()):
         close(a.grad, b.grad)
+
+
+_MANY_TENSORS = """
+import resource, warnings, torch, gradmap
+from torch import nn
+
+if __name__ == "__main__":
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(150)])  # 300 tensors
+    xs = [torch.randn(2) for _ in range(8)]
+    f = lambda x: model(x).sum()
+    want = torch.autograd.grad(sum(f(x) for x in xs), list(model.parameters()))
+    with warnings.catch_warnings(record=True) as told, gradmap.ProcessExecutor(1) as ex:
+        warnings.simplefilter("always")
+        got = torch.autograd.grad(gradmap.tsum(f, xs, executor=ex), list(model.parameters()))
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+    messages = [str(w.message) for w in told]
+    assert any("limit of open files" in m for m in messages), messages
+    open(__file__).close()
+    print("ok")
+"""
+
+
+def test_more_tensors_than_file_descriptors_leave_the_caller_some(tmp_path):
+    """NOTE [file descriptors of shared storages] (``_process/_shared``): a model of more
+    tensors than half the limit of open files: the rest travel by value, the map says so once,
+    and the caller can still open files (it could not: every descriptor was a storage's)."""
+    script = tmp_path / "many.py"
+    script.write_text(_MANY_TENSORS)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -39,6 +39,7 @@ NOTE [parameters in shared memory]:
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any
 
@@ -103,6 +104,9 @@ class Sharer:
             # or point at freed memory. By value.
             return None
         moved = not storage.is_shared()
+        if moved and len(self._fds) >= _fd_budget():
+            _warn_fds(len(self._fds))  # NOTE [file descriptors of shared storages]
+            return None
         try:
             fd, size = storage._share_fd_cpu_()  # in place; returns the same fd once shared
         except Exception:
@@ -182,3 +186,42 @@ def _not_resizable(storage: torch.UntypedStorage) -> None:
     if storage.nbytes():
         view = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
         view.numpy()  # (the array goes at once; the storage stays marked)
+
+
+def _fd_budget() -> int:
+    """How many storages gradmap moves into shared memory at most: half the process's limit of
+    open files (NOTE [file descriptors of shared storages])."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 512
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(16, soft // 2)
+
+
+_told_fds = False
+
+
+def _warn_fds(count: int) -> None:
+    """NOTE [file descriptors of shared storages]:
+    A storage in shared memory keeps a file descriptor open in the caller for as long as it
+    lives (PyTorch's file-descriptor sharing). A model of 1,200 parameter tensors took them
+    all under the usual limit of 1,024: the storages past it went by value, and the user's
+    next ``open()`` failed with "Too many open files" (so did gradmap's own build of its
+    native walk). gradmap now moves at most half the limit; the rest travel by value at
+    every call, which costs pickling time, and the first such call says so, once."""
+    global _told_fds
+    if _told_fds:
+        return
+    _told_fds = True
+    warnings.warn(
+        f"gradmap: f uses more tensors than gradmap moves into shared memory ({count}, half "
+        "the process's limit of open files: each keeps a file descriptor open); the others "
+        "are pickled at every call. Raise the limit (ulimit -n, or resource.setrlimit with "
+        "RLIMIT_NOFILE) before the first map, or use fewer, larger tensors.",
+        RuntimeWarning,
+        stacklevel=2,
+    )

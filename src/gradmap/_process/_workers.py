@@ -271,16 +271,28 @@ class Pool:
         self.workers: list[Worker] = []
         self.sharer = Sharer()
         self.lock = threading.Lock()
+        self.stopped = False
 
     def ensure(self, count: int) -> list[Worker]:
         """The first ``count`` workers, starting (or restarting) those needed."""
         with self.lock:
+            started = False
             while len(self.workers) < count:
                 self.workers.append(Worker(self.threads))
+                started = True
             for i in range(count):
                 if not self.workers[i].alive and not self.workers[i].pending:
                     self.workers[i] = Worker(self.threads)
-            return self.workers[:count]
+                    started = True
+            restarted = started and self.stopped
+            self.stopped = self.stopped and not started
+            workers = self.workers[:count]
+        if restarted:
+            # A map that outlived its pool's shutdown (its backward still to come when an
+            # executor's block ended) started a worker on it: the pool is known again, so that
+            # the next shutdown stops it too (it was left running, with its writer thread).
+            _known_again(self)
+        return workers
 
     def forget_dead(self) -> None:
         """Tell the workers to forget the storages that died in the caller."""
@@ -302,12 +314,22 @@ class Pool:
     def shutdown(self) -> None:
         with self.lock:
             workers, self.workers = self.workers, []
+            self.stopped = True
         for w in workers:
             w.stop()
 
 
 _pools: dict[int, Pool] = {}
+#: Pools that started workers again after their shutdown while another pool of their
+#: ``threads`` was current: stopped with it.
+_restarted: list[Pool] = []
 _lock = threading.Lock()
+
+
+def _known_again(pool: Pool) -> None:
+    with _lock:
+        if _pools.setdefault(pool.threads, pool) is not pool and pool not in _restarted:
+            _restarted.append(pool)
 
 
 def get_pool(threads: int) -> Pool:
@@ -322,6 +344,8 @@ def shutdown_pools(threads: int | None = None) -> None:
     """Stop the worker processes (all pools, or those with ``threads`` threads per worker)."""
     with _lock:
         pools = [_pools.pop(t) for t in list(_pools) if threads is None or t == threads]
+        pools += [p for p in _restarted if threads is None or p.threads == threads]
+        _restarted[:] = [p for p in _restarted if p not in pools]
     for pool in pools:
         pool.shutdown()
 
@@ -333,8 +357,9 @@ _left_in_the_parent: list[object] = []
 def _after_fork_in_child() -> None:
     # The parent's workers stay the parent's: kept from the collector, never stopped from here
     # (NOTE [after a fork] in ``_executors``).
-    _left_in_the_parent.append(dict(_pools))
+    _left_in_the_parent.append((dict(_pools), list(_restarted)))
     _pools.clear()
+    _restarted.clear()
     _lock._at_fork_reinit()  # type: ignore[attr-defined]
 
 
