@@ -525,21 +525,19 @@ def versions_used(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[tuple[Ten
     """Each tensor among the items and what ``f`` refers to (module parameters and buffers
     aside), with its version now: what a recompute reads again (NOTE [a recompute reads what
     the forward read])."""
-    found: list[Tensor] = []
-    seen: set[int] = set()
-    for args in elements:
-        for arg in args:
-            if isinstance(arg, Tensor):
-                found.append(arg)
-            elif not isinstance(arg, _SKIP):
-                _collect(arg, found, seen, 0, items=True, every=True)
-    _collect(f, found, seen, 0, every=True)
-    return [(t, t._version) for t in found if not t.is_inference()]
+    return [(t, t._version) for t in _tensors_seen(f, elements) if not t.is_inference()]
 
 
 def leaves_before(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[Tensor]:
     """The leaves requiring grad among the items, what ``f`` refers to, and the parameters of
     its modules: those a map can tell existed before its call."""
+    found = _tensors_seen(f, elements) + [p for m in modules_of(f) for p in m.parameters()]
+    return [t for t in found if t.is_leaf and t.requires_grad]
+
+
+def _tensors_seen(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[Tensor]:
+    """Every tensor among the items and what ``f`` refers to (module parameters and buffers
+    aside)."""
     found: list[Tensor] = []
     seen: set[int] = set()
     for args in elements:
@@ -549,8 +547,7 @@ def leaves_before(f: Any, elements: Sequence[tuple[Any, ...]]) -> list[Tensor]:
             elif not isinstance(arg, _SKIP):
                 _collect(arg, found, seen, 0, items=True, every=True)
     _collect(f, found, seen, 0, every=True)
-    found += [p for m in modules_of(f) for p in m.parameters()]
-    return [t for t in found if t.is_leaf and t.requires_grad]
+    return found
 
 
 def tensors_of(f: Any) -> list[Tensor]:
