@@ -170,9 +170,7 @@ class Worker:
         """The worker is gone: its calls in flight are lost."""
         self.alive = False
         self.outbox.put(None)
-        while self.pending:
-            call = self.pending.popleft()
-            call.lost = call.done = True
+        self._lose_pending()
         self._close()
         with contextlib.suppress(Exception):
             self.process.kill()
@@ -243,6 +241,9 @@ class Worker:
         # Its calls in flight are lost, as when it dies: a call left pending (one a map stopped
         # waiting for) kept the stopped worker from being started again, and a later backward
         # waited start_timeout for it before failing.
+        self._lose_pending()
+
+    def _lose_pending(self) -> None:
         while self.pending:
             call = self.pending.popleft()
             call.lost = call.done = True
@@ -285,7 +286,8 @@ class Pool:
                     self.workers[i] = Worker(self.threads)
                     started = True
             restarted = started and self.stopped
-            self.stopped = self.stopped and not started
+            if restarted:
+                self.stopped = False
             workers = self.workers[:count]
         if restarted:
             # A map that outlived its pool's shutdown (its backward still to come when an

@@ -208,11 +208,6 @@ class MapCall:
         if self.versions:
             check_versions(self.versions, self.api)
 
-    @property
-    def off_caller(self) -> bool:
-        """Whether chunk forwards may run on other threads than the caller's."""
-        return not isinstance(self.executor, SerialExecutor)
-
     def one_thread(self) -> Executor:
         """Where a forward in one thread runs: the caller's thread for the serial reference (as
         its loop would), one thread of a user's executor (NOTE [a user's executor runs every

@@ -171,8 +171,6 @@ class EarlyGradients:
         self._sum: OrderedSum[Any, Tensor] = OrderedSum(count, torch.add, group, add_into)
         #: Whether each chunk was pulled back in the forward.
         self.pulled = [False] * count
-        self._layout: Any = None
-        self._first: list[Tensor | None] | None = None
 
     def put(self, k: int, record: ChunkRecord, grads: list[Tensor | None] | None) -> None:
         """Chunk ``k``'s gradients, one per boundary entry (``None``: not pulled back)."""
@@ -183,17 +181,13 @@ class EarlyGradients:
     def clear(self) -> None:
         """Forget every gradient (a forward that failed: ``OrderedSum.clear``)."""
         self._sum.clear()
-        self._first = None
 
     def added(self, layout: JoinLayout[Tensor]) -> list[Tensor | None]:
-        """The early chunks' gradients added up, one per join input (the same list each time)."""
-        if self._layout is not layout:
-            first: list[Tensor | None] = [None] * len(layout.inputs)
-            for key, g in self._sum.result().items():
-                first[layout.index[key]] = g
-            self._layout, self._first = layout, first
-        assert self._first is not None
-        return self._first
+        """The early chunks' gradients added up, one per join input."""
+        first: list[Tensor | None] = [None] * len(layout.inputs)
+        for key, g in self._sum.result().items():
+            first[layout.index[key]] = g
+        return first
 
 
 def forward_pulled_back(
@@ -223,12 +217,11 @@ def forward_pulled_back(
         )
 
     def early(k: int, record: ChunkRecord, pulled: deque[ChunkRecord] | None = None) -> ChunkRecord:
-        grads = pulled_back(k, record, pulled)
-        gradients.put(k, record, grads)
+        gradients.put(k, record, pulled_back(record, pulled))
         return record
 
     def pulled_back(
-        k: int, record: ChunkRecord, pulled: deque[ChunkRecord] | None
+        record: ChunkRecord, pulled: deque[ChunkRecord] | None
     ) -> list[Tensor | None] | None:
         # A boundary tensor's own hooks (and retained gradient) are set aside only around the
         # sum's backward (``hooks_quiet``): such chunks are pulled back there.
@@ -336,9 +329,7 @@ def scaled_sum(
     if not early:
         return add_up(per_chunk)
     first = add_up([g if k in early else None for k, g in enumerate(per_chunk)])
-    if scale is not None:
-        first = [None if g is None else g * scale for g in first]
     if len(early) == len(per_chunk):
-        return first
+        return early_then_rest(first, scale, [None] * len(first))
     rest = add_up([None if k in early else g for k, g in enumerate(per_chunk)])
-    return [b if a is None else a if b is None else a + b for a, b in zip(first, rest)]
+    return early_then_rest(first, scale, rest)
