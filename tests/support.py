@@ -185,6 +185,33 @@ def deadline(seconds: float, *, main_thread: bool = False) -> Callable[[Any], An
     return decorate
 
 
+def collect() -> None:
+    """A full garbage collection that ran, in this thread: for checks of what is left alive.
+
+    ``gc.collect()`` returns at once, collecting nothing, while another thread's collection is
+    under way, and with the GIL a pool thread's collection lets the GIL go while it frees
+    tensors. A count taken then saw the last maps' graphs alive, gone a moment later (test_leaks,
+    after failing backwards on threads: 45-125 tensors, in about one run of four; CI failed on
+    it once). So this collects again until a collection of all generations ran here."""
+    me = threading.get_ident()
+    ran: list[bool] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2 and threading.get_ident() == me:
+            ran.append(True)
+
+    gc.callbacks.append(seen)
+    try:
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            gc.collect()
+            if not ran:
+                time.sleep(0.001)
+    finally:
+        gc.callbacks.remove(seen)
+    assert ran, "no garbage collection could run in 10 s: another thread's never ended"
+
+
 def settle_before_threads_exit() -> None:
     """On a free-threaded interpreter, a collection before threads that ran maps exit.
 

@@ -7,7 +7,6 @@ order, via ``.backward()`` and ``torch.autograd.grad``) must equal the loop's, o
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradmap
 
-from support import loop, native_walk
+from support import collect, loop, native_walk
 
 pytestmark = pytest.mark.usefixtures("both_walks")
 
@@ -621,7 +620,7 @@ def test_backward_result_by_result_like_loop(tmap_kwargs, how):
             grads.append(torch.autograd.grad(rest, w)[0])
         error = type(e.value).__name__
         del ys, rest, e  # (the error's traceback holds the tensor it was raised for)
-        gc.collect()
+        collect()
         return grads, error, alive, any(r() is not None for r in made)
 
     got, got_error, got_alive, got_left = run(lambda f, xs: gradmap.tmap(f, xs, **tmap_kwargs))

@@ -21,8 +21,9 @@ import torch
 
 import gradmap
 from gradmap import _executors
+from gradmap._torch._map import MapGraph
 
-from support import assert_threads_back, deadline, settle_threads, spawn_all
+from support import assert_threads_back, collect, deadline, settle_threads, spawn_all
 
 Tensor = torch.Tensor
 
@@ -40,14 +41,14 @@ def rss_mb() -> float:
 
 
 def live_tensors() -> int:
-    gc.collect()
+    collect()
     # type(), not isinstance(): isinstance reads __class__, which some module proxies warn on.
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
 def live_map_graphs() -> int:
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if type(o).__name__ == "_MapGraph")
+    collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), MapGraph))
 
 
 @contextmanager
@@ -56,7 +57,7 @@ def measured(
 ) -> Iterator[dict[str, float]]:
     """Baseline before the body, bounds checked after; the figures go to the captured output.
     ``pools``: the user pools the body ran maps on (free-threaded CPython wakes their threads)."""
-    gc.collect()
+    collect()
     before = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}
     figures: dict[str, float] = {}
     yield figures
@@ -67,7 +68,7 @@ def measured(
         # again and merges its queue. Seen: 582 tensors alive after 1,000 failing maps and a
         # collection, 7 after a collection and then a no-op on every pool thread. With the GIL
         # the check runs without either, so a graph kept alive by a reference cycle fails it.
-        gc.collect()
+        collect()
         for pool in (*_executors.shared_pools(_executors.available_cores()), *pools):
             spawn_all(pool)
     after = {"rss": rss_mb(), "tensors": live_tensors(), "graphs": live_map_graphs()}

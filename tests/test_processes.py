@@ -10,7 +10,6 @@ One executor of 2 workers serves the whole module (a worker takes about 1.5 s to
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import signal
 import subprocess
@@ -292,12 +291,12 @@ def test_workers_keep_a_map_only_while_its_graph_waits(ex):
     ys[0].backward()
     assert _stored(ex) >= 1
     del ys
-    gc.collect()
+    support.collect()
     assert _stored(ex) == 0
     # A graph dropped without a backward.
     ys = gradmap.tmap(s.f(), s.xs, executor=ex, chunksize=2)
     del ys
-    gc.collect()
+    support.collect()
     assert _stored(ex) == 0
     # Maps that keep nothing: tsum of losses, no_grad, remat.
     gradmap.tsum(s.f(), s.xs, executor=ex, chunksize=2).backward()

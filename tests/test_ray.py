@@ -6,7 +6,6 @@ here, what is Ray's own. One local Ray instance (2 CPUs, so 2 actors) serves the
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
@@ -63,7 +62,7 @@ def _assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def _no_state_left(ex: RayExecutor) -> None:
-    gc.collect()
+    support.collect()
     assert ex.stored_calls() == [0] * len(ex.actors())
 
 

@@ -14,7 +14,6 @@ and Ray (2 CPUs, so 2 actors) is started once, skipped where it is not installed
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ def _process_remote(helps: bool) -> Iterator[Remote]:
     executor = gradmap.ProcessExecutor(workers=3 if helps else 2, caller_helps=helps, timeout=120)
 
     def no_state_left() -> None:
-        gc.collect()
+        support.collect()
         assert sum(executor.stored_calls()) == 0
 
     try:
@@ -76,7 +75,7 @@ def _ray_remote() -> Iterator[Remote]:
     executor = RayExecutor(timeout=120)
 
     def no_state_left() -> None:
-        gc.collect()
+        support.collect()
         assert executor.stored_calls() == [0] * len(executor.actors())
 
     try:
