@@ -353,6 +353,32 @@ def test_results_of_shapes_that_do_not_broadcast_name_the_elements(tmap_kwargs, 
     torch.testing.assert_close(got, sum(y * w for y in ys))
 
 
+def test_losses_broadcast_by_larger_results_get_the_loops_gradient(tmap_kwargs):
+    # Some elements return a 0-d loss, others a vector the loop's sum broadcasts it against: each
+    # loss's gradient is taken with the sum of the vector's cotangent, as the loop's add gives it.
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=F64, requires_grad=True)
+
+    def f(i: int) -> Tensor:
+        return w * i if i == 3 else (w * i).pow(2).sum()
+
+    v = torch.tensor([1.0, -2.0, 5.0], dtype=F64)
+    ref = sum(f(i) for i in range(8))
+    (ref_grad,) = torch.autograd.grad((ref * v).sum(), w)
+    got = gradmap.tsum(f, range(8), **tmap_kwargs)
+    torch.testing.assert_close(got, ref)
+    close(torch.autograd.grad((got * v).sum(), w), [ref_grad])
+    # a vector that requires no grad, of another shape than the parameter's
+    u = torch.tensor([1.0, 5.0], dtype=F64)
+
+    def f2(i: int) -> Tensor:
+        return torch.zeros(2, dtype=F64) if i == 0 else (w * i).sum()
+
+    ref = sum(f2(i) for i in range(8))
+    (ref_grad,) = torch.autograd.grad((ref * u).sum(), w)
+    got = gradmap.tsum(f2, range(8), **tmap_kwargs)
+    close(torch.autograd.grad((got * u).sum(), w), [ref_grad])
+
+
 def test_every_error_of_tsum_names_tsum():
     w = torch.ones(2, requires_grad=True)
     with pytest.raises(ValueError, match=r"^gradmap.tsum\(strict=True\)"):

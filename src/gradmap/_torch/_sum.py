@@ -256,6 +256,12 @@ class _SumGraph(MapGraph):
             call.check_versions(runs_f)
         wanted = self.wanted(ctx)
         c = cotangents[0]
+        if c is not None and c.dim() > 0 and any(self.early.pulled):
+            # The early chunks' losses are 0-d; a sum that other elements' larger results
+            # broadcast them into hands each loss its cotangent summed (the loop's broadcasting
+            # add does this in its backward), and multiplying by the whole cotangent would
+            # broadcast their gradients instead (wrong values, or a shape error).
+            c = c.sum()
         # NOTE [early gradients scaled once]: the early chunks' gradients are added up first
         # (in the order of NOTE [chunk-order sum]) and the sum is multiplied by the cotangent,
         # once per tensor, not once per chunk; worker processes send a group's gradients
