@@ -628,6 +628,26 @@ def test_tmap_of_losses_pulled_back_early_gives_the_backwards_bits(remote, ex, m
     remote.no_state_left()
 
 
+def test_a_loss_scale_reaches_a_half_precision_graph_as_in_the_loop(remote, ex):
+    # NOTE [gradients of reduced precision] in ``_torch/_graph``: the worker does not pull such
+    # a chunk back with cotangent one in the forward (tsum) or early (tmap).
+    w = torch.linspace(-1.0, 1.0, 4, requires_grad=True)
+    xs = [torch.linspace(0.5, 2.0, 4) * k for k in range(1, 7)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (w.half() * 1e-4 * x.half() * 1e-4).sum().float()
+
+    (ref,) = torch.autograd.grad(sum(loop(f, xs)) * 1024, w)
+    assert bool(ref.ne(0).all())
+    (got,) = torch.autograd.grad(gradmap.tsum(f, xs, executor=ex, chunksize=2) * 1024, w)
+    torch.testing.assert_close(got, ref)
+    for _ in range(3):
+        ys = gradmap.tmap(f, xs, executor=ex, chunksize=2)
+        (got,) = torch.autograd.grad(sum(ys) * 1024, w)
+        torch.testing.assert_close(got, ref)
+    remote.no_state_left()
+
+
 @pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
 def test_backward_result_by_result_like_loop(remote, ex, remat):
     """``for y in ys: y.backward()``, as in the loop (NOTE [a backward of some results]): the

@@ -379,6 +379,38 @@ def test_losses_broadcast_by_larger_results_get_the_loops_gradient(tmap_kwargs):
     close(torch.autograd.grad((got * u).sum(), w), [ref_grad])
 
 
+def _half_precision_losses() -> tuple[Tensor, list[Tensor], Any]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, generator=g, requires_grad=True)  # a float32 parameter
+    xs = [torch.randn(4, generator=g) for _ in range(6)]
+
+    def f(x: Tensor) -> Tensor:  # computed in float16, as under autocast; a float32 loss
+        h = w.half() * 1e-4
+        return (h * x.half() * 1e-4).sum().float()
+
+    return w, xs, f
+
+
+@pytest.mark.parametrize("scale", [1024.0, 65536.0, 1.0])
+def test_a_loss_scale_reaches_a_half_precision_graph_as_in_the_loop(tmap_kwargs, scale):
+    # NOTE [gradients of reduced precision]: a loss scale (GradScaler's) moves float16 gradients
+    # out of underflow (1024: the loop's are about 2.7e-5, pulled back with one and scaled after
+    # they were zeros) or into the overflow a scaler watches for (65536: inf and nan).
+    w, xs, f = _half_precision_losses()
+    (ref,) = torch.autograd.grad(sum(f(x) for x in xs) * scale, w)
+    if scale == 1024:
+        assert bool(ref.ne(0).all())  # (with one: zeros)
+    if scale == 65536:
+        assert not bool(ref.isfinite().all())
+    (got,) = torch.autograd.grad(gradmap.tsum(f, xs, **tmap_kwargs) * scale, w)
+    torch.testing.assert_close(got, ref, equal_nan=True)
+    # tmap, once it learnt that its results get one cotangent (it then pulls back early)
+    for _ in range(3):
+        ys = gradmap.tmap(f, xs, **tmap_kwargs)
+        (got,) = torch.autograd.grad(sum(ys) * scale, w)
+        torch.testing.assert_close(got, ref, equal_nan=True)
+
+
 def test_every_error_of_tsum_names_tsum():
     w = torch.ones(2, requires_grad=True)
     with pytest.raises(ValueError, match=r"^gradmap.tsum\(strict=True\)"):

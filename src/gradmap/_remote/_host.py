@@ -500,7 +500,9 @@ class Host:
             local = cast(list, self._items.load(items, state.leaves))
         with spec.forward_state.enter(False), _process_wide(spec):
             record = _run(state, start, local)
-            if record.boundary.user:  # NOTE [chunks whose backward is user code] (``_graph``)
+            # NOTE [chunks whose backward is user code], [gradients of reduced precision]
+            # (``_graph``)
+            if record.boundary.user or record.boundary.reduced:
                 losses = False
             elif record.results is not None:  # NOTE [a chunk of bare tensors]
                 # (``dtype.is_complex``: NOTE [tensor methods that let go of the GIL] in

@@ -226,8 +226,9 @@ def forward_pulled_back(
         # A boundary tensor's own hooks (and retained gradient) are set aside only around the
         # sum's backward (``hooks_quiet``): such chunks are pulled back there.
         hooks = not call.gated and hooked(record.boundary.tensors)
-        # NOTE [chunks whose backward is user code] in ``_graph``: pulled back in the backward
-        hooks = hooks or record.boundary.user
+        # NOTE [chunks whose backward is user code] and NOTE [gradients of reduced precision]
+        # in ``_graph``: pulled back in the backward
+        hooks = hooks or record.boundary.user or record.boundary.reduced
         if not record.stored or not loss_like(record) or hooks:
             if call.remat:
                 record.drop_graph()

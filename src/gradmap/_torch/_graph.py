@@ -177,6 +177,27 @@ _ACCUMULATE_GRAD = _accumulate_grad_type()
 #: The node of a custom ``autograd.Function`` (``grad_fn`` of its outputs).
 _CUSTOM = torch.autograd.function.BackwardCFunction
 
+#: Floating types of 16 bits or fewer (NOTE [gradients of reduced precision]).
+_REDUCED = frozenset(
+    d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+    and ((d.is_floating_point and d.itemsize <= 2) or d == torch.complex32)
+)
+"""NOTE [gradients of reduced precision]:
+    ``tsum`` pulls a chunk of losses back with cotangent one during the forward and multiplies
+    the gradients by the sum's cotangent in the backward (NOTE [early gradients scaled once] in
+    ``_sum``), and so does a ``tmap`` that learnt its cotangents are one and the same. In exact
+    arithmetic that is the loop's gradient; in float32 and float64 it is the loop's up to
+    rounding. In half precision it is not: a loss scale (``GradScaler``'s ``scale(loss)``, a
+    cotangent of 1024 or 65536) exists to move the float16 gradients inside the graph out of
+    underflow, and scaled afterwards they had underflowed already: a helper measured exact zeros
+    where the loop's gradients were 2.7e-5, and finite gradients where the loop's overflowed to
+    the inf a scaler watches for. So the walks mark a chunk whose graph carries a gradient of a
+    floating type of 16 bits or fewer (an edge's input metadata in the native walk; a node's,
+    a leaf's or a tensor's dtype in the Python one), and such a chunk is pulled back in the
+    backward with the cotangent the loop's would see."""
+
 _pullback = threading.local()
 
 
@@ -223,7 +244,7 @@ class Boundary:
         gradient. The native walk's gates stop the engine there.
     """
 
-    __slots__ = ("inputs", "keys", "nodes", "tensors", "user")
+    __slots__ = ("inputs", "keys", "nodes", "reduced", "tensors", "user")
 
     def __init__(self) -> None:
         self.keys: list[Any] = []  # hashable
@@ -231,6 +252,7 @@ class Boundary:
         self.inputs: list[Tensor | GradientEdge] = []
         self.nodes: list[Node] = []
         self.user = False
+        self.reduced = False  # NOTE [gradients of reduced precision]
 
 
 class Known:
@@ -302,10 +324,10 @@ def find_boundary(outputs: list[Tensor], lo: int, hi: int, known: Known) -> Boun
     """
     walker = known.native
     if walker is not None:
-        keys, tensors, inputs, roots, user = walker.walk(outputs, lo, hi)
+        keys, tensors, inputs, roots, user, reduced = walker.walk(outputs, lo, hi)
         boundary = Boundary()
         boundary.keys, boundary.tensors, boundary.inputs = keys, tensors, inputs
-        boundary.user = user
+        boundary.user, boundary.reduced = user, reduced
         for i, t in roots:  # outputs made outside the chunk: their gated aliases
             outputs[i] = t
         return boundary
@@ -329,6 +351,8 @@ def _walk(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary
     stack: list[tuple[Node, int]] = []
     leaves: set[int] = set()
     for t in outputs:
+        if t.dtype in _REDUCED:  # NOTE [gradients of reduced precision]
+            boundary.reduced = True
         node = t.grad_fn
         if node is None:  # a leaf that requires grad, returned as it is
             if id(t) not in leaves:
@@ -352,6 +376,8 @@ def _walk(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary
                 keys.append(("leaf", id(leaf)))
                 tensors.append(leaf)
                 inputs.append(leaf)
+                if leaf.dtype in _REDUCED:
+                    boundary.reduced = True
             continue
         if not (lo <= node._sequence_nr() < hi) or outside(node):
             if (key, nr) in edges:
@@ -364,6 +390,8 @@ def _walk(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary
                 tensors.append(found)
                 inputs.append(GradientEdge(node, nr))
                 nodes.append(node)
+                if found.dtype in _REDUCED:
+                    boundary.reduced = True
                 continue
             if not (lo <= node._sequence_nr() < hi):
                 _not_found(node, nr)
@@ -373,6 +401,8 @@ def _walk(outputs: Iterable[Tensor], lo: int, hi: int, known: Known) -> Boundary
         kept.append(node)
         if isinstance(node, _CUSTOM):  # NOTE [chunks whose backward is user code]
             boundary.user = True
+        if not boundary.reduced and any(m.dtype in _REDUCED for m in node._input_metadata):
+            boundary.reduced = True
         for child in node.next_functions:
             if child[0] is not None:
                 stack.append(child)

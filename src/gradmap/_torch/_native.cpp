@@ -91,6 +91,13 @@ bool user_backward(Node* node) {
       !node->pre_hooks().empty() || !node->post_hooks().empty() || custom_function(node);
 }
 
+// Whether the gradient ``edge`` carries is of a floating type of 16 bits or fewer (half,
+// bfloat16, float8, complex half): NOTE [gradients of reduced precision] in _graph.py.
+bool reduced_precision(const Edge& edge) {
+  auto type = c10::typeMetaToScalarType(edge.function->input_metadata(edge.input_nr).dtype());
+  return at::isReducedFloatingType(type) || type == at::kComplexHalf;
+}
+
 bool is_inner(const Node* node, uint64_t thread, uint64_t lo, uint64_t hi) {
   auto nr = node->sequence_nr();
   return node->thread_id() == thread && lo <= nr && nr < hi;
@@ -139,6 +146,7 @@ struct Walk {
   // twice). Held here, every output that is that leaf finds the same one.
   std::vector<NodePtr> returned;
   bool user = false;  // an inner node runs user code in its backward (``user_backward``)
+  bool reduced = false;  // an edge carries a gradient of reduced precision
 
   // Whether the inner node ``node`` is reached for the first time (and is now seen).
   bool first_sight(const Node* node) {
@@ -188,6 +196,9 @@ struct Walk {
   // Whether an edge leads out of the chunk and must be gated now; an inner node is queued, and
   // an edge to a leaf without hooks is noted at ``place`` (gated at the end if need be).
   bool leaves_chunk(const Edge& edge, Place place) {
+    if (!reduced && reduced_precision(edge)) {
+      reduced = true;
+    }
     Node* child = edge.function.get();
     if (is_inner(child, thread, lo, hi)) {
       if (first_sight(child)) {
@@ -298,7 +309,7 @@ py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi)
   for (auto& [i, t] : roots) {
     replaced.append(py::make_tuple(i, std::move(t)));
   }
-  return py::make_tuple(keys, tensors, inputs, replaced, w.user);
+  return py::make_tuple(keys, tensors, inputs, replaced, w.user, w.reduced);
 }
 
 // For each of a walked chunk's boundary inputs (tensors on its gates' edges), whether the graph
