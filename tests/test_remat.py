@@ -398,3 +398,35 @@ def test_an_f_that_runs_ops_on_threads_of_its_own_is_told_so(tmap_kwargs):
     finally:
         helper.shutdown()
         settle_before_threads_exit()
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_an_f_that_starts_drawing_tells_why_its_recompute_cannot_replay(executor, how):
+    # NOTE [draws a recompute cannot replay]: dropout in eval() mode in f's first map, in train()
+    # mode in its second; its third map seeds every element.
+    torch.manual_seed(0)
+    w = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(50, dtype=torch.float64) for _ in range(8)]
+    drop = nn.Dropout(0.5)
+    scope: dict[str, object] = {"drop": drop, "w": w}
+    exec("def f(x):\n    return drop(x * w)\n", scope)  # a code object of its own: no history
+    f = scope["f"]
+    kwargs = {"executor": executor, "remat": how == "remat"}
+
+    def gradient() -> torch.Tensor:
+        ys = gradmap.tmap(f, xs, **kwargs)
+        (g,) = torch.autograd.grad(sum(y.pow(2).sum() for y in ys), w, create_graph=how != "remat")
+        factor = 4 if drop.training else 2  # (the masks read off the values, scaled by 2)
+        expected = sum(factor * y.detach() * (y.detach() != 0) * x for y, x in zip(ys, xs))
+        torch.testing.assert_close(g, expected)
+        return g
+
+    drop.eval()
+    gradient()
+    drop.train()
+    try:  # the loop's gradient where the forward seeded every element (serial under remat)
+        gradient()
+    except RuntimeError as e:  # else the error says why (it said f was not deterministic)
+        assert "f drew random numbers in this map" in str(e), e
+    gradient()

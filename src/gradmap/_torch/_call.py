@@ -140,9 +140,10 @@ class MapCall:
                 lambda: placement.timed(lambda: self.run_pass("forward", forward_chunk), self.n)
             )
             placement.learned_random(drew)
+            self.random.unseeded = drew
         else:
             records = placement.timed(one_thread, self.n)
-        placement.learned_random(self.random.drew)
+        self.random.learned(placement)
         self.note_versions(with_graph)
         return records
 
@@ -223,6 +224,8 @@ class MapCall:
         """A fresh forward of some elements, with a graph (in a backward pass's thread); with
         ``seeded``, replaying each element's random numbers even if ``f`` was not seen to draw."""
         assert self.f is not None and self.elements is not None and self.known is not None
+        if seeded and self.random.unseeded:
+            self.random.cannot_replay(self.api)
         self.known.complete()
         replay = self.random.replaying(seeded)
         with torch.enable_grad(), self.state.autocast_context(), replay as seeded_by:

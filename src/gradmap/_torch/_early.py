@@ -294,9 +294,10 @@ def forward_pulled_back(
                 lambda: placement.timed(lambda: call.run_pass("forward", both), call.n)
             )
             placement.learned_random(drew)
+            call.random.unseeded = drew
         else:
             out = placement.timed(pipeline, call.n)
-        placement.learned_random(call.random.drew)
+        call.random.learned(placement)
         call.note_versions(True)
     except BaseException:
         gradients.clear()

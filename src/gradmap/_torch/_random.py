@@ -75,7 +75,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -161,6 +161,8 @@ class MapRandom:
         self._after: torch.Tensor | None = None
         self.drew = False
         self.each = True  # seed every element; else the pass once (an f seen not to draw)
+        #: The forward drew without a seed per element (NOTE [draws a recompute cannot replay])
+        self.unseeded = False
 
     def draw_base(self) -> None:
         """Draw the map's base now if no forward in one thread has (a forward on the pool seeds
@@ -193,6 +195,35 @@ class MapRandom:
                     assert self.base is not None
                     self.drew = _drew_since_seeding(self.base)
                 gen.set_state(after)
+
+    def learned(self, placement: Any) -> None:
+        """After a forward in one thread: tell ``placement`` whether ``f`` drew, and note draws
+        made without a seed per element."""
+        placement.learned_random(self.drew)
+        if self.drew and not self.each:
+            self.unseeded = True
+
+    def cannot_replay(self, api: str) -> NoReturn:
+        """Raise for a recompute of a forward whose draws were not seeded per element.
+
+        NOTE [draws a recompute cannot replay]:
+            A forward on the pool seeds nothing, and one in one thread of an ``f`` seen to draw
+            nothing in its first call seeds the pass once (NOTE [random numbers per element]).
+            When such an ``f`` draws after all (its first call ran a ``Dropout`` in ``eval()``
+            mode, this one in ``train()``), the map's gradients are right, but a recompute
+            (``remat=True``, a ``create_graph=True`` backward) cannot replay the draws: it
+            gave other results, and the error said ``f`` must be deterministic, which it is
+            (a helper's case: the loop works there). The error now says what happened; the
+            map learnt that ``f`` draws, and its next map seeds every element."""
+        raise RuntimeError(
+            f"{api}: f drew random numbers in this map, which gradmap did not seed element by "
+            "element: an earlier map of the same f drew none (a module in eval() mode then, "
+            "such as Dropout, now in train() mode; or draws on some elements only), so this "
+            "map ran f as one that draws nothing, and its recompute (remat=True, or a "
+            "create_graph=True backward) cannot replay the draws. gradmap has learnt that f "
+            "draws: from the next map of f on every element is seeded and replayed. Run this "
+            "map again, or use remat=False and no create_graph for it."
+        )
 
     def element(self, index: int) -> None:
         """Seed the global generator for element ``index`` (inside ``seeding``)."""
