@@ -430,3 +430,38 @@ def test_an_f_that_starts_drawing_tells_why_its_recompute_cannot_replay(executor
     except RuntimeError as e:  # else the error says why (it said f was not deterministic)
         assert "f drew random numbers in this map" in str(e), e
     gradient()
+
+
+def test_remat_under_autocast_casts_per_chunk_as_the_loop_would(tmap_kwargs):
+    # NOTE [autocast's weight cache]: the recompute reaches the casts its forward made.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 1)
+    xs = [torch.randn(n, 8) for n in (3, 5, 2, 7, 4, 1)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lin(x).float().square().mean()
+
+    def grads(ys_of: object) -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total = sum(ys_of())  # type: ignore[operator]
+        return list(torch.autograd.grad(total, list(lin.parameters())))
+
+    ref = grads(lambda: [f(x) for x in xs])
+    got = grads(lambda: gradmap.tmap(f, xs, **tmap_kwargs, remat=True))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=1e-3)
+    # (the Python walk cannot find a cast another chunk made: it stops the forward, saying so)
+    if native_walk():
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the cache as the caller had it after
+            assert torch.is_autocast_cache_enabled()
+            ys = gradmap.tmap(f, xs, **tmap_kwargs)  # a create_graph backward recomputes
+            with pytest.raises(RuntimeError) as info:
+                torch.autograd.grad(sum(ys), lin.weight, create_graph=True)
+        assert "cache_enabled=False" in " ".join(getattr(info.value, "__notes__", [])), info.value
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        (g,) = torch.autograd.grad(sum(f(x) for x in xs), lin.weight, create_graph=True)
+        (expected,) = torch.autograd.grad(g.square().sum(), lin.bias)
+        ys = gradmap.tmap(f, xs, **tmap_kwargs)
+        (g,) = torch.autograd.grad(sum(ys), lin.weight, create_graph=True)
+        (got2,) = torch.autograd.grad(g.square().sum(), lin.bias)
+    torch.testing.assert_close(got2, expected, rtol=2e-2, atol=1e-3)

@@ -52,6 +52,8 @@ class MapCall:
         self.api = api = request.api
         self.n = len(elements)
         self.state = ThreadState()
+        if remat and self.state.autocast and self.state.autocast_cache:
+            self.state.own_casts = True  # NOTE [autocast's weight cache] (``_state``)
         self.random = MapRandom()
         self.placement: Placement = placement_for(
             f,

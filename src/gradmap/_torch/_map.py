@@ -316,8 +316,10 @@ class MapGraph(JoinGraph):
                     reverse=call.executor.reverse_backward,
                     context=state.enter,
                 )
-        except BaseException:
+        except BaseException as exc:
             summed.clear()
+            if create_graph:
+                call.state.explain_recompute(exc, call.api)
             raise
         for k in sorted(plain):
             _accumulate(call, records[k], chunk_cotangents(k))

@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 
 import torch
 
+from .._errors import add_note
 from .._executors import in_gradmap_pool
 
 __all__ = ["ThreadState"]
@@ -52,6 +53,8 @@ class ThreadState:
             if torch.is_autocast_enabled(dev)
         ]
         self.autocast_cache = torch.is_autocast_cache_enabled()
+        #: Chunks cast for themselves: autocast's cache off (NOTE [autocast's weight cache]).
+        self.own_casts = False
 
     @contextmanager
     def autocast_context(self) -> Iterator[None]:
@@ -60,12 +63,31 @@ class ThreadState:
         with ExitStack() as stack:
             for dev in _AUTOCAST_DEVICES:
                 if dev in wanted:
-                    stack.enter_context(
-                        torch.autocast(dev, dtype=wanted[dev], cache_enabled=self.autocast_cache)
-                    )
+                    cache = self.autocast_cache and not self.own_casts
+                    stack.enter_context(torch.autocast(dev, dtype=wanted[dev], cache_enabled=cache))
                 elif torch.is_autocast_enabled(dev):
                     stack.enter_context(torch.autocast(dev, enabled=False))
             yield
+
+    def explain_recompute(self, exc: BaseException, api: str) -> None:
+        """Add to a recompute's error, in a ``create_graph`` backward of a map that ran under
+        autocast with its cache of casts on, what that cache did (NOTE [autocast's weight
+        cache])."""
+        if (
+            isinstance(exc, RuntimeError)
+            and str(exc).startswith(f"{api}: recomputing f")
+            and self.autocast
+            and self.autocast_cache
+            and not self.own_casts
+        ):
+            add_note(
+                exc,
+                f"{api}: the map ran under torch.autocast with its cache of casts on: a weight "
+                "is cast once and the cast shared by the elements, which a recompute cannot "
+                "reach again. Use torch.autocast(..., cache_enabled=False) around the map (or "
+                "remat=True, under which every chunk casts for itself) for a create_graph=True "
+                "backward.",
+            )
 
     def enter(self, is_caller: bool) -> AbstractContextManager[None]:
         """Enter the snapshot in this thread; the caller's thread already has it."""
@@ -74,6 +96,8 @@ class ThreadState:
             if threads != INTRA_OP_THREADS:
                 _set_own_intra_op_threads(INTRA_OP_THREADS, threads)
         if is_caller or self._current():
+            if self.own_casts:
+                return _casts_uncached()
             return nullcontext()  # a chunk's few microseconds count on small elements
         return self._enter()
 
@@ -96,6 +120,34 @@ class ThreadState:
                 stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             stack.enter_context(self.autocast_context())
             yield
+
+
+@contextmanager
+def _casts_uncached() -> Iterator[None]:
+    """Autocast's cache of casts off in this thread (NOTE [autocast's weight cache]).
+
+    NOTE [autocast's weight cache]:
+        Under ``torch.autocast`` a weight (a leaf that requires grad) is cast to the lower
+        precision once per autocast region, and the cast reused: in a map the cast belongs to
+        the element, and the chunk, that first made it, and the other chunks reach it as a
+        tensor made elsewhere. A recompute (``remat=True``) runs in another region, or finds
+        the cast in the cache where its forward made it, and so reaches other tensors than its
+        forward did: the recompute failed with an error that blamed a cache ``f`` empties or a
+        non-deterministic ``f`` (a helper's ``nn.Linear`` under ``autocast(bfloat16)``; the
+        loop works). So under ``remat`` every chunk casts for itself, with the cache off: the
+        same values (a cast is exact), each element's cast in its own graph as in a loop
+        without the cache, at the cost of a cast per element and weight. Other maps keep the
+        cache (a large model's casts per element would cost more than the map gains); a
+        ``create_graph=True`` backward of such a map recomputes too, and its error says to
+        turn the cache off (``torch.autocast(..., cache_enabled=False)``)."""
+    if not torch.is_autocast_cache_enabled():
+        yield
+        return
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(True)
 
 
 def _set_own_intra_op_threads(n: int, inherited: int) -> None:
