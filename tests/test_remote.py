@@ -1029,3 +1029,20 @@ def test_items_that_require_grad_travel_as_one_with_the_loops_gradients(ex) -> N
         loss = lambda ys: sum((i + 1) * y for i, y in enumerate(ys))  # noqa: E731
         have = torch.autograd.grad(loss(got), wrt, retain_graph=True)
         close(have, torch.autograd.grad(loss(ref), wrt))
+
+
+def test_process_wide_settings_are_set_only_where_they_change(monkeypatch):
+    # torch.use_deterministic_algorithms imports torch._inductor.config on its first call (about
+    # a second), which a fresh worker's first map paid inside its timeout: a map of a trivial f
+    # with ProcessExecutor(timeout=1.0) timed out every time. It is called only to change.
+    from gradmap._remote import _host
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: calls.append(a))
+    now = (torch.are_deterministic_algorithms_enabled(), False)
+    with _host._set_process_wide(torch.get_default_dtype(), (False, False), now):
+        pass
+    assert calls == []
+    with _host._set_process_wide(torch.get_default_dtype(), (False, False), (not now[0], False)):
+        pass
+    assert calls == [(not now[0],), (now[0],)]

@@ -194,16 +194,22 @@ def _set_process_wide(
     dtype: torch.dtype, anomaly: tuple[bool, bool], deterministic: tuple[bool, bool]
 ) -> Iterator[None]:
     was = torch.get_default_dtype(), _anomaly(), _deterministic()
+    # Only where it changes: ``use_deterministic_algorithms`` imports ``torch._inductor.config``
+    # on its first call, 0.95 s here, which a worker's first map paid inside its ``timeout``
+    # (a helper's ``ProcessExecutor(timeout=1.0)`` timed out every map of a trivial ``f``).
+    determinism = deterministic != was[2]
     torch.set_default_dtype(dtype)
     torch.set_anomaly_enabled(*anomaly)
-    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    if determinism:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     try:
         yield
     finally:
         dtype, anomaly, deterministic = was
         torch.set_default_dtype(dtype)
         torch.set_anomaly_enabled(*anomaly)
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        if determinism:
+            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 class _Window(Sequence[Any]):
