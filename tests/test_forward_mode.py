@@ -122,6 +122,73 @@ def test_functional_call_of_a_shared_module_inside_f_matches_the_loop(api, pool)
     assert all(p is own[k] for k, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("how", ["plain", "remat", "create_graph"])
+@pytest.mark.parametrize("pool", ["threads", "user-pool"])
+def test_an_f_that_reads_the_module_outside_its_swap_matches_the_loop(how, pool):
+    """The per-element-weights (MAML) pattern: ``f`` reads ``named_parameters()`` outside the
+    swap, then ``functional_call``s with weights made from them. The lock covers the swap only:
+    that read took another thread's swapped-in tensors (wrong values and gradients, no error, in
+    about one map in six on threads). An ``f`` seen to swap keeps its forwards in one thread and
+    its recomputes one at a time (NOTE [parameters swapped by functional_call])."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    ).double()
+    params = list(net.parameters())
+    items = [(torch.randn(8, 1, dtype=torch.float64), 0.5 + 0.25 * i) for i in range(8)]
+    scope: dict[str, Any] = {"net": net, "functional_call": torch.func.functional_call}
+    exec(  # a code object of its own: no history of earlier tests
+        "def f(item):\n"
+        "    x, s = item\n"
+        "    weights = {k: v * s for k, v in net.named_parameters()}\n"
+        "    return functional_call(net, weights, (x,)).pow(2).mean()\n",
+        scope,
+    )
+    f = scope["f"]
+    expected = torch.stack([f(item) for item in items])
+    ref = torch.autograd.grad(expected.sum(), params, create_graph=how == "create_graph")
+    ref2 = torch.autograd.grad(sum(g.sum() for g in ref), params) if how == "create_graph" else ()
+    with contextlib.ExitStack() as stack:
+        if pool == "threads":
+            kwargs: dict[str, Any] = {"executor": "threads", "workers": 2, "chunksize": 1}
+        else:
+            user = stack.enter_context(concurrent.futures.ThreadPoolExecutor(2))
+            kwargs = {"executor": user, "chunksize": 1}
+        for _ in range(30):
+            ys = torch.stack(gradmap.tmap(f, items, remat=how == "remat", **kwargs))
+            torch.testing.assert_close(ys, expected)
+            got = torch.autograd.grad(ys.sum(), params, create_graph=how == "create_graph")
+            torch.testing.assert_close(got, ref)
+            if how == "create_graph":
+                got2 = torch.autograd.grad(sum(g.sum() for g in got), params)
+                torch.testing.assert_close(got2, ref2)
+
+
+def test_an_f_that_starts_swapping_on_several_threads_is_told_so():
+    """An ``f`` whose first map swapped nothing runs on the pool later; a forward there that
+    swapped may have read other elements' parameters: it raises, saying so, and the next map
+    runs in one thread (NOTE [parameters swapped by functional_call])."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1).double()
+    items = [torch.randn(4, 3, dtype=torch.float64) for _ in range(8)]
+    scope: dict[str, Any] = {"net": net, "fc": torch.func.functional_call, "swap": [False]}
+    exec(
+        "def f(x):\n"
+        "    if not swap[0]:\n"
+        "        return net(x).sum()\n"
+        "    return fc(net, {k: v * 2 for k, v in net.named_parameters()}, (x,)).sum()\n",
+        scope,
+    )
+    f = scope["f"]
+    kwargs: dict[str, Any] = {"executor": "threads", "workers": 2, "chunksize": 1}
+    gradmap.tmap(f, items, **kwargs)  # (its first forward: one thread)
+    scope["swap"][0] = True
+    with pytest.raises(RuntimeError, match="f swapped a module's parameters"):
+        gradmap.tmap(f, items, **kwargs)
+    expected = torch.stack([f(x) for x in items])
+    torch.testing.assert_close(torch.stack(gradmap.tmap(f, items, **kwargs)), expected)
+
+
 def test_a_map_inside_a_swapped_module_runs_in_its_caller():
     """A ``tmap`` called inside the forward of a module run by ``functional_call`` on a chunk's
     thread runs every chunk in that thread: no chunk waits for the swap its caller holds."""

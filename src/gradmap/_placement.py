@@ -16,7 +16,8 @@ NOTE [forward placement]:
     the choice is measured per ``f``, as wall seconds per element of the forward pass (for
     ``tsum``, of the pass with the pullbacks that overlap it):
     - a new ``f`` runs its first forward in one thread, whatever the executor (it also learns
-      whether ``f`` draws random numbers; one that does keeps one thread for its forwards, NOTE
+      whether ``f`` draws random numbers, or swaps a module's parameters: one that does keeps
+      one thread for its forwards, NOTE [parameters swapped by functional_call] and NOTE
       [random numbers per element]); then its next ``EXPLORE`` calls alternate, pool then one
       thread, and each side keeps its *best* time per element;
     - from then on it runs on the pool if the pool's best time per element was below ``FASTER``
@@ -92,7 +93,7 @@ def key_of(f: Any) -> Any:
 
 
 class _History:
-    __slots__ = ("caller", "calls", "many", "one", "random", "uniform")
+    __slots__ = ("caller", "calls", "many", "one", "random", "swaps", "uniform")
     # calls: maps of this f so far (set back to 1 when its elements changed: measure afresh)
 
     def __init__(self) -> None:
@@ -101,6 +102,7 @@ class _History:
         self.one: float | None = None  # best seconds per element in one thread
         self.many: float | None = None  # best seconds per element on the pool
         self.random = False
+        self.swaps = False  # f swaps a module's parameters (NOTE [parameters swapped by ...])
         self.uniform = False  # the latest backward gave every result one cotangent
 
     @property
@@ -169,6 +171,17 @@ class Placement:
         if drew and self._history is not None:
             self._history.random = True
 
+    @property
+    def swaps(self) -> bool:
+        """Whether ``f`` was seen to swap a module's parameters (``functional_call``)."""
+        return self._history is not None and self._history.swaps
+
+    def learned_swaps(self) -> None:
+        """``f`` swapped: its forwards stay in one thread (NOTE [parameters swapped by
+        functional_call] in ``_torch/_swaps``)."""
+        if self._history is not None:
+            self._history.swaps = True
+
 
 def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = None) -> Placement:
     """Choose where the forward of a map of ``f`` runs (NOTE [forward placement]). ``kind`` tells
@@ -179,13 +192,13 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
             history = _history_of(f, ("one" if forced_one else "many", kind))
             history.calls += 1
             calls = history.calls
-        many = forced_many and not history.random and calls > 1
+        many = forced_many and not (history.random or history.swaps) and calls > 1
         return Placement(many, history, False)
     with _lock:
         history = _history_of(f, kind)
         history.calls += 1
         calls = history.calls
-        if history.random:
+        if history.random or history.swaps:
             return Placement(False, history, False)
         if calls == 1:
             return Placement(False, history, True)

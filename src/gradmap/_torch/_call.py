@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from ._graph import Known, check_versions, leaves_before, modules_of, versions_u
 from ._native import native
 from ._random import MapRandom, guard_rng_forks, moved_by
 from ._state import ThreadState
-from ._swaps import guard_parameter_swaps
+from ._swaps import guard_parameter_swaps, one_swapper
 
 __all__ = ["CALLER", "MapCall"]
 
@@ -68,6 +69,8 @@ class MapCall:
         self._before: tuple[list[torch.Tensor], set[int]] | None = None  # ``made_before``'s
         self._before_lock = threading.Lock()
         self.owner = object()  # what this map's blocking hooks answer to
+        #: ``f`` swaps a module's parameters: recomputes one at a time (``learn_swaps``).
+        self.swaps = self.placement.swaps
         if executor.workers > 1:
             guard_parameter_swaps()  # NOTE [parameters swapped by functional_call]
             guard_rng_forks()  # NOTE [random numbers of recomputes]
@@ -146,8 +149,26 @@ class MapCall:
         else:
             records = placement.timed(one_thread, self.n)
         self.random.learned(placement)
+        self.learn_swaps(records)
         self.note_versions(with_graph)
         return records
+
+    def learn_swaps(self, records: list[ChunkRecord]) -> None:
+        """After a forward: whether ``f`` swapped a module's parameters (NOTE [parameters swapped
+        by functional_call] in ``_swaps``); raises where it did on several threads at once."""
+        if not any(r.swapped for r in records):
+            return
+        self.placement.learned_swaps()
+        self.swaps = True
+        if self.placement.many and self.executor.workers > 1:
+            raise RuntimeError(
+                f"{self.api}: f swapped a module's parameters (torch.func.functional_call) "
+                "while elements ran on several threads at once, and an element that reads the "
+                "module outside its own call (named_parameters(), an attribute) may have read "
+                "another element's parameters: the results may not be the loop's. gradmap has "
+                "learnt that f swaps: from its next map on, f's forwards run in one thread. Run "
+                "this map again, or use executor='processes' (a module per worker)."
+            )
 
     def versions_before(self, with_graph: bool) -> None:
         """Before a forward with a graph: under ``remat``, the versions of what it reads, to
@@ -230,7 +251,8 @@ class MapCall:
             self.random.cannot_replay(self.api)
         self.known.complete()
         replay = self.random.replaying(seeded)
-        with torch.enable_grad(), self.state.autocast_context(), replay as seeded_by:
+        swaps = one_swapper() if self.swaps else nullcontext()  # NOTE [parameters swapped ...]
+        with torch.enable_grad(), self.state.autocast_context(), swaps, replay as seeded_by:
             return run_forward(
                 self.f,
                 self.elements,

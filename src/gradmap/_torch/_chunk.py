@@ -30,6 +30,7 @@ from ._graph import (
 )
 from ._native import native
 from ._random import DRAWS, MapRandom
+from ._swaps import swaps_here
 
 __all__ = [
     "ACCUMULATE",
@@ -124,6 +125,7 @@ class ChunkRecord:
         "retained",
         "returned",
         "stored",
+        "swapped",
         "views",
     )
 
@@ -134,6 +136,9 @@ class ChunkRecord:
         self.outputs: list[Tensor] = []
         self.boundary: Boundary = Boundary()
         self.stored = False  # whether ``outputs`` still carry the chunk's graph
+        #: ``f`` swapped a module's parameters in this chunk's forward (NOTE [parameters
+        #: swapped by functional_call] in ``_swaps``).
+        self.swapped = False
         #: The outputs handed out as views: views of tensors made before the chunk, and
         #: outputs that share memory (NOTE [results that view a tensor made before the map]);
         #: ``None``: none.
@@ -258,6 +263,7 @@ def _run_forward(
     leaf_results: bool,
 ) -> ChunkRecord:
     record = ChunkRecord()
+    swaps = swaps_here()
     outputs = record.outputs
     # NOTE [a chunk of bare tensors]: compact while every result is a tensor that requires grad
     # as the first one did; ``elements`` is ``None`` meanwhile.
@@ -323,6 +329,7 @@ def _run_forward(
         elements_out.append(ElementResult(i, None, leaves, spec, diff, start, len(outputs)))
     if random is not None and last is not None:
         random.check_chunk(last)
+    record.swapped = swaps_here() != swaps
     if known is not None and outputs:
         hi = sequence_nr()
         record.boundary = find_boundary(outputs, lo, hi, known)

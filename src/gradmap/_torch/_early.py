@@ -298,6 +298,7 @@ def forward_pulled_back(
         else:
             out = placement.timed(pipeline, call.n)
         call.random.learned(placement)
+        call.learn_swaps(out)
         call.note_versions(True)
     except BaseException:
         gradients.clear()
