@@ -1659,3 +1659,24 @@ def test_more_tensors_than_file_descriptors_leave_the_caller_some(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_module_only_the_caller_has_is_named_with_the_fix():
+    # A module made at run time (torch_geometric generates a MessagePassing class's propagate()
+    # into one for a class of the script): pickled by reference, the worker cannot import it.
+    import types
+
+    module = types.ModuleType("gradmap_test_module_made_at_run_time")
+    exec("def double(x):\n    return x * 2\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    w = torch.ones(3, requires_grad=True)
+    try:
+        with (
+            gradmap.ProcessExecutor(workers=1, caller_helps=False, timeout=120) as ex,
+            pytest.raises(ModuleNotFoundError) as info,
+        ):
+            gradmap.tmap(lambda x: module.double(x * w).sum(), [torch.ones(3)] * 4, executor=ex)
+    finally:
+        del sys.modules[module.__name__]
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "gradmap_test_module_made_at_run_time" in notes and "executor='threads'" in notes, notes

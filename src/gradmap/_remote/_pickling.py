@@ -57,6 +57,7 @@ import numpy
 import torch
 from torch import nn
 
+from .._errors import add_note
 from ._classes import users_classes
 
 Tensor = torch.Tensor
@@ -517,6 +518,20 @@ def loads(data: bytes, leaves: LeafTable) -> Any:
     _loading.leaves = leaves
     try:
         return pickle.loads(data)
+    except ModuleNotFoundError as exc:
+        # A module only the caller has: one made at run time (torch_geometric generates a
+        # ``MessagePassing`` class's ``propagate`` into ``__main___<Class>_propagate`` for a
+        # class of the script; a module made by ``exec`` or ``types.ModuleType``), pickled by
+        # reference. (A helper's case: the bare error named no cause and no fix.)
+        add_note(
+            exc,
+            f"gradmap: f, or an object it uses, refers to the module {exc.name!r}, which the "
+            "worker process cannot import: it exists only in the caller's process (made at "
+            "run time, such as torch_geometric's generated propagate() of a MessagePassing "
+            "class defined in the script) or is not on the worker's path. Define the class or "
+            "function in a module file the workers can import, or use executor='threads'.",
+        )
+        raise
     finally:
         _loading.leaves = previous
 
