@@ -201,3 +201,24 @@ def test_strict_names_lengths(iterables):
 def test_not_iterable():
     with pytest.raises(TypeError, match="iterable 1 is not iterable"):
         gradmap.tmap(lambda a, b: a, [1], 5)
+
+
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_an_f_that_leaves_grad_mode_changed_is_named(tmap_kwargs, api, grad):
+    # NOTE [grad mode left changed by f]: on threads the rest of each chunk ran without a graph,
+    # and tsum's backward gave the chunks' first elements' gradient alone, with no error.
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(8)]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(w @ x).sum()
+        if float(x[0]) == float(xs[3][0]):
+            torch.set_grad_enabled(not grad)  # left so by mistake
+        return y
+
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError) as info:
+        getattr(gradmap, api)(f, xs, **tmap_kwargs)
+    assert f"left grad mode {'off' if grad else 'on'}" in str(info.value)
+    assert "element 3 (of 8)" in str(info.value), info.value
+    assert torch.is_grad_enabled()  # the caller's, as it was

@@ -264,6 +264,7 @@ def _run_forward(
 ) -> ChunkRecord:
     record = ChunkRecord()
     swaps = swaps_here()
+    grad_mode = torch.is_grad_enabled()
     outputs = record.outputs
     # NOTE [a chunk of bare tensors]: compact while every result is a tensor that requires grad
     # as the first one did; ``elements`` is ``None`` meanwhile.
@@ -285,6 +286,8 @@ def _run_forward(
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward", api))
             raise
+        if _grad_enabled() is not grad_mode:
+            _left_grad_mode(grad_mode, i, n, api)
         if compact is not None:
             if isinstance(y, Tensor) and (y.requires_grad and not (leaf_results and y.is_leaf)) is (
                 compact is outputs
@@ -336,6 +339,30 @@ def _run_forward(
         record.views = _handed_out_as_views(outputs, lo, hi)
         record.stored = True
     return record
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+def _left_grad_mode(mode: bool, i: int, n: int, api: str) -> NoReturn:
+    """Raise for an ``f`` that left grad mode changed (``torch.set_grad_enabled(False)``
+    without setting it back), after setting it back in this thread.
+
+    NOTE [grad mode left changed by f]:
+        In the loop such an ``f`` turns the mode off for every element after it and for the
+        caller, whose ``backward()`` then raises (its loss has no graph). On threads it stayed
+        in the chunk's thread only: the rest of that chunk ran without a graph, the caller's
+        mode stayed on, and ``tsum(...).backward()`` gave the gradient of the chunks' first
+        elements alone, with no error (a helper's case); on a user's pool the mode stayed in
+        its threads after the map. The mode is read after every element (one call into C,
+        which does not let the GIL go)."""
+    torch.set_grad_enabled(mode)
+    raise RuntimeError(
+        f"{api}: f left grad mode {'off' if mode else 'on'} (torch.set_grad_enabled("
+        f"{not mode}) without setting it back) in element {i} (of {n}): in the loop that "
+        "changes it for every element after it and for the caller. Use a block that restores "
+        f"it (with torch.{'no_grad' if mode else 'enable_grad'}(): ...) inside f."
+    )
 
 
 def _handed_out_as_views(outputs: list[Tensor], lo: int, hi: int) -> list[int] | None:
