@@ -87,7 +87,9 @@ def _guarded(original: Any) -> Any:
             with original(*args, **kwargs):
                 yield
             return
-        if not torch.compiler.is_compiling():  # (torch.compile's tracing swaps too)
+        # (torch.compile's tracing swaps too, nothing in: not counted)
+        swapped = args[1] if len(args) > 1 else kwargs.get("parameters_and_buffers")
+        if swapped and not torch.compiler.is_compiling():
             _counted.swaps = getattr(_counted, "swaps", 0) + 1
         with _swapping, alone(), original(*args, **kwargs):
             yield
