@@ -83,6 +83,14 @@ def _per_sample_model() -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch
     return model, params, scale
 
 
+def _two_threads(pool: str, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """Map arguments for two threads, one element a chunk: gradmap's pool or a user's."""
+    if pool == "threads":
+        return {"executor": "threads", "workers": 2, "chunksize": 1}
+    user = stack.enter_context(concurrent.futures.ThreadPoolExecutor(2))
+    return {"executor": user, "chunksize": 1}
+
+
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 @pytest.mark.parametrize("pool", ["threads", "user-pool"])
 def test_functional_call_of_a_shared_module_inside_f_matches_the_loop(api, pool):
@@ -104,11 +112,7 @@ def test_functional_call_of_a_shared_module_inside_f_matches_the_loop(api, pool)
     expected = torch.stack([f(x) for x in xs])
     (expected_grad,) = torch.autograd.grad(expected.sum(), scale)
     with contextlib.ExitStack() as stack:
-        if pool == "threads":
-            kwargs: dict[str, Any] = {"executor": "threads", "workers": 2, "chunksize": 1}
-        else:
-            user = stack.enter_context(concurrent.futures.ThreadPoolExecutor(2))
-            kwargs = {"executor": user, "chunksize": 1}
+        kwargs = _two_threads(pool, stack)
         for _ in range(6):
             if api == "tmap":
                 ys = torch.stack(gradmap.tmap(f, xs, **kwargs))
@@ -149,11 +153,7 @@ def test_an_f_that_reads_the_module_outside_its_swap_matches_the_loop(how, pool)
     ref = torch.autograd.grad(expected.sum(), params, create_graph=how == "create_graph")
     ref2 = torch.autograd.grad(sum(g.sum() for g in ref), params) if how == "create_graph" else ()
     with contextlib.ExitStack() as stack:
-        if pool == "threads":
-            kwargs: dict[str, Any] = {"executor": "threads", "workers": 2, "chunksize": 1}
-        else:
-            user = stack.enter_context(concurrent.futures.ThreadPoolExecutor(2))
-            kwargs = {"executor": user, "chunksize": 1}
+        kwargs = _two_threads(pool, stack)
         for _ in range(30):
             ys = torch.stack(gradmap.tmap(f, items, remat=how == "remat", **kwargs))
             torch.testing.assert_close(ys, expected)

@@ -69,8 +69,6 @@ class MapCall:
         self._before: tuple[list[torch.Tensor], set[int]] | None = None  # ``made_before``'s
         self._before_lock = threading.Lock()
         self.owner = object()  # what this map's blocking hooks answer to
-        #: ``f`` swaps a module's parameters: recomputes one at a time (``learn_swaps``).
-        self.swaps = self.placement.swaps
         if executor.workers > 1:
             guard_parameter_swaps()  # NOTE [parameters swapped by functional_call]
             guard_rng_forks()  # NOTE [random numbers of recomputes]
@@ -139,19 +137,32 @@ class MapCall:
             with self.random.seeding():
                 return self.run_pass("forward", forward_chunk, executor=self.one_thread())
 
+        records = self.placed(lambda: self.run_pass("forward", forward_chunk), one_thread)
+        self.note_versions(with_graph)
+        return records
+
+    def placed(
+        self, on_the_pool: Callable[[], list[ChunkRecord]], in_one_thread: Callable[[], Any]
+    ) -> Any:
+        """A forward pass where placement put it, timed, and what it taught about ``f``: whether
+        it draws random numbers (and did unseeded), and whether it swaps a module's parameters.
+        """
+        placement = self.placement
         if placement.many:
-            self.random.draw_base()  # NOTE [the generator after a map]
-            records, drew = moved_by(
-                lambda: placement.timed(lambda: self.run_pass("forward", forward_chunk), self.n)
-            )
+            self.random.draw_base()  # NOTE [the generator after a map] in ``_random``
+            records, drew = moved_by(lambda: placement.timed(on_the_pool, self.n))
             placement.learned_random(drew)
             self.random.unseeded = drew
         else:
-            records = placement.timed(one_thread, self.n)
+            records = placement.timed(in_one_thread, self.n)
         self.random.learned(placement)
         self.learn_swaps(records)
-        self.note_versions(with_graph)
         return records
+
+    @property
+    def swaps(self) -> bool:
+        """Whether ``f`` swaps a module's parameters: recomputes one at a time."""
+        return self.placement.swaps
 
     def learn_swaps(self, records: list[ChunkRecord]) -> None:
         """After a forward: whether ``f`` swapped a module's parameters (NOTE [parameters swapped
@@ -159,7 +170,6 @@ class MapCall:
         if not any(r.swapped for r in records):
             return
         self.placement.learned_swaps()
-        self.swaps = True
         if self.placement.many and self.executor.workers > 1:
             raise RuntimeError(
                 f"{self.api}: f swapped a module's parameters (torch.func.functional_call) "

@@ -61,7 +61,7 @@ from ._chunk import (
     run_forward,
 )
 from ._graph import batched, hooked
-from ._random import MapRandom, moved_by
+from ._random import MapRandom
 from ._state import ThreadState
 
 __all__ = [
@@ -283,22 +283,11 @@ def forward_pulled_back(
             if bar is not None:
                 bar.close()
 
+    def both(k: int, run: ChunkRun[Any]) -> ChunkRecord:
+        return early(k, forward(k, lambda: run.stopped(k), None))
+
     try:
-        if placement.many:
-
-            def both(k: int, run: ChunkRun[Any]) -> ChunkRecord:
-                return early(k, forward(k, lambda: run.stopped(k), None))
-
-            call.random.draw_base()  # NOTE [the generator after a map] in ``_random``
-            out, drew = moved_by(
-                lambda: placement.timed(lambda: call.run_pass("forward", both), call.n)
-            )
-            placement.learned_random(drew)
-            call.random.unseeded = drew
-        else:
-            out = placement.timed(pipeline, call.n)
-        call.random.learned(placement)
-        call.learn_swaps(out)
+        out = call.placed(lambda: call.run_pass("forward", both), pipeline)
         call.note_versions(True)
     except BaseException:
         gradients.clear()
