@@ -16,9 +16,10 @@ NOTE [forward placement]:
     the choice is measured per ``f``, as wall seconds per element of the forward pass (for
     ``tsum``, of the pass with the pullbacks that overlap it):
     - a new ``f`` runs its first forward in one thread, whatever the executor (it also learns
-      whether ``f`` draws random numbers, or swaps a module's parameters: one that does keeps
-      one thread for its forwards, NOTE [parameters swapped by functional_call] and NOTE
-      [random numbers per element]); then its next ``EXPLORE`` calls alternate, pool then one
+      whether ``f`` draws random numbers, swaps a module's parameters, or writes process-wide
+      state: one that does keeps one thread for its forwards, NOTE [parameters swapped by
+      functional_call], NOTE [random numbers per element], NOTE [process-wide state f
+      writes]); then its next ``EXPLORE`` calls alternate, pool then one
       thread, and each side keeps its *best* time per element;
     - from then on it runs on the pool if the pool's best time per element was below ``FASTER``
       times one thread's, else in one thread;
@@ -93,7 +94,7 @@ def key_of(f: Any) -> Any:
 
 
 class _History:
-    __slots__ = ("caller", "calls", "many", "one", "random", "swaps", "uniform")
+    __slots__ = ("caller", "calls", "many", "one", "random", "shared", "swaps", "uniform")
     # calls: maps of this f so far (set back to 1 when its elements changed: measure afresh)
 
     def __init__(self) -> None:
@@ -103,6 +104,8 @@ class _History:
         self.many: float | None = None  # best seconds per element on the pool
         self.random = False
         self.swaps = False  # f swaps a module's parameters (NOTE [parameters swapped by ...])
+        #: What process-wide state f was seen to write (NOTE [process-wide state f writes])
+        self.shared: str | None = None
         self.uniform = False  # the latest backward gave every result one cotangent
 
     @property
@@ -116,12 +119,20 @@ class Placement:
     """Where one map's forward runs, and what it learns about ``f``."""
 
     def __init__(
-        self, many: bool, history: _History | None, measure: bool, watch: bool = False
+        self,
+        many: bool,
+        history: _History | None,
+        measure: bool,
+        watch: bool = False,
+        first: bool = False,
     ) -> None:
         self.many = many
         self._history = history
         self._measure = measure
         self._watch = watch  # a chosen side: timed to see whether the elements changed
+        #: The first map of its history, in one thread, whose later maps may use many: its
+        #: forward is watched for process-wide state (NOTE [process-wide state f writes]).
+        self.first = first
 
     def timed(self, run: Callable[[], Any], n: int) -> Any:
         """Run a forward pass of ``n`` elements; record its time if it was measured."""
@@ -182,6 +193,17 @@ class Placement:
         if self._history is not None:
             self._history.swaps = True
 
+    @property
+    def shared(self) -> str | None:
+        """What process-wide state ``f`` was seen to write, if any (NOTE [process-wide state f
+        writes] in ``_torch/_shared``)."""
+        return None if self._history is None else self._history.shared
+
+    def learned_shared(self, found: str) -> None:
+        """``f`` writes process-wide state: its forwards stay in one thread."""
+        if self._history is not None:
+            self._history.shared = found
+
 
 def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = None) -> Placement:
     """Choose where the forward of a map of ``f`` runs (NOTE [forward placement]). ``kind`` tells
@@ -192,16 +214,17 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
             history = _history_of(f, ("one" if forced_one else "many", kind))
             history.calls += 1
             calls = history.calls
-        many = forced_many and not (history.random or history.swaps) and calls > 1
-        return Placement(many, history, False)
+        alone = history.random or history.swaps or history.shared
+        many = forced_many and not alone and calls > 1
+        return Placement(many, history, False, first=forced_many and calls == 1)
     with _lock:
         history = _history_of(f, kind)
         history.calls += 1
         calls = history.calls
-        if history.random or history.swaps:
+        if history.random or history.swaps or history.shared:
             return Placement(False, history, False)
         if calls == 1:
-            return Placement(False, history, True)
+            return Placement(False, history, True, first=True)
         if not _gil_enabled():
             return Placement(True, history, False)
         turn = calls - 2 if calls <= 1 + EXPLORE else calls % REMEASURE

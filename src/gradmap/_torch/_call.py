@@ -15,13 +15,14 @@ import torch
 from .._engine import ChunkRun, run_chunks
 from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
 from .._items import Singles
-from .._placement import Placement, placement_for
+from .._placement import Placement, key_of, placement_for
 from .._progress import open_progress
 from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
 from ._graph import Known, check_versions, leaves_before, modules_of, versions_used
 from ._native import native
 from ._random import MapRandom, guard_rng_forks, moved_by
+from ._shared import Watch, warn_shared
 from ._state import ThreadState
 from ._swaps import guard_parameter_swaps, one_swapper
 
@@ -65,6 +66,8 @@ class MapCall:
             # early] in ``_remote/_map``, is timed apart)
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
+        #: Watches the first forward for process-wide state (NOTE [process-wide state f writes]).
+        self.watch = Watch() if self.placement.first and executor.workers > 1 else None
         self.known: Known | None = None
         self._before: tuple[list[torch.Tensor], set[int]] | None = None  # ``made_before``'s
         self._before_lock = threading.Lock()
@@ -126,6 +129,7 @@ class MapCall:
                 stop=lambda: run.stopped(k),
                 api=self.api,
                 leaf_results=self.api == "gradmap.tmap",  # NOTE [leaves returned as they are]
+                watch=None if placement.many else self.watch,
             )
             if self.remat:
                 if record.boundary.user or not self.gated:
@@ -157,12 +161,24 @@ class MapCall:
             records = placement.timed(in_one_thread, self.n)
         self.random.learned(placement)
         self.learn_swaps(records)
+        found = None if self.watch is None else self.watch.found
+        if found is not None:
+            placement.learned_shared(found)
+            warn_shared(key_of(self.f), self.api, found)
         return records
 
     @property
     def swaps(self) -> bool:
         """Whether ``f`` swaps a module's parameters: recomputes one at a time."""
         return self.placement.swaps
+
+    @property
+    def shared(self) -> bool:
+        """Whether ``f`` writes process-wide state (NOTE [process-wide state f writes]): its
+        recomputes run one at a time, and its chunks are pulled back after the forward."""
+        return self.placement.shared is not None or (
+            self.watch is not None and self.watch.found is not None
+        )
 
     def learn_swaps(self, records: list[ChunkRecord]) -> None:
         """After a forward: whether ``f`` swapped a module's parameters (NOTE [parameters swapped
@@ -261,7 +277,8 @@ class MapCall:
             self.random.cannot_replay(self.api)
         self.known.complete()
         replay = self.random.replaying(seeded)
-        swaps = one_swapper() if self.swaps else nullcontext()  # NOTE [parameters swapped ...]
+        # NOTE [parameters swapped by functional_call], NOTE [process-wide state f writes]
+        swaps = one_swapper() if self.swaps or self.shared else nullcontext()
         with torch.enable_grad(), self.state.autocast_context(), swaps, replay as seeded_by:
             return run_forward(
                 self.f,

@@ -30,6 +30,7 @@ from ._graph import (
 )
 from ._native import native
 from ._random import DRAWS, MapRandom
+from ._shared import Watch
 from ._swaps import swaps_here
 
 __all__ = [
@@ -224,6 +225,7 @@ def run_forward(
     stop: Callable[[], bool] | None = None,
     api: str = "gradmap.tmap",
     leaf_results: bool = False,
+    watch: Watch | None = None,
 ) -> ChunkRecord:
     """Run ``f`` on ``elements[i] for i in indices``, untouched; read the chunk's boundary off its
     graph when grad mode is on (``known`` given).
@@ -237,6 +239,8 @@ def run_forward(
         stop: returns true when the chunk should stop before its next element.
         api: the name errors give.
         leaf_results: leaves are returned as they are (``tmap`` on threads).
+        watch: watches each element for writes to process-wide state (NOTE [process-wide state
+            f writes] in ``_shared``), or ``None``.
 
     NOTE [leaves returned as they are]:
         A result of ``tmap`` that is a leaf requiring grad -- ``f`` returned its item, a
@@ -248,8 +252,8 @@ def run_forward(
     """
     if random is not None:  # the forward in one thread: NOTE [random numbers of recomputes]
         with DRAWS, alone():
-            return _run_forward(f, elements, indices, known, random, stop, api, leaf_results)
-    return _run_forward(f, elements, indices, known, random, stop, api, leaf_results)
+            return _run_forward(f, elements, indices, known, random, stop, api, leaf_results, watch)
+    return _run_forward(f, elements, indices, known, random, stop, api, leaf_results, watch)
 
 
 def _run_forward(
@@ -261,6 +265,7 @@ def _run_forward(
     stop: Callable[[], bool] | None,
     api: str,
     leaf_results: bool,
+    watch: Watch | None,
 ) -> ChunkRecord:
     record = ChunkRecord()
     swaps = swaps_here()
@@ -282,7 +287,11 @@ def _run_forward(
             random.element(i)  # NOTE [random numbers per element]
             last = i
         try:
-            y = f(*elements[i]) if singles is None else f(singles[i])
+            if watch is None:
+                y = f(*elements[i]) if singles is None else f(singles[i])
+            else:
+                with watch.watching():
+                    y = f(*elements[i]) if singles is None else f(singles[i])
         except BaseException as exc:
             add_note(exc, element_note(i, n, "forward", api))
             raise

@@ -214,6 +214,7 @@ def forward_pulled_back(
             stop=stopped,
             api=call.api,
             leaf_results=keep_graphs,  # NOTE [leaves returned as they are]
+            watch=None if call.placement.many else call.watch,
         )
 
     def early(k: int, record: ChunkRecord, pulled: deque[ChunkRecord] | None = None) -> ChunkRecord:
@@ -229,7 +230,8 @@ def forward_pulled_back(
         # NOTE [chunks whose backward is user code] and NOTE [gradients of reduced precision]
         # in ``_graph``: pulled back in the backward
         hooks = hooks or record.boundary.user or record.boundary.reduced
-        if not record.stored or not loss_like(record) or hooks:
+        # NOTE [process-wide state f writes]: pulled back after the forward
+        if not record.stored or not loss_like(record) or hooks or call.shared:
             if call.remat:
                 record.drop_graph()
             return None
