@@ -69,10 +69,12 @@ def test_compare_reports_a_failing_candidate_and_wrong_gradients(monkeypatch):
     import gradmap._compare as compare_module
 
     real = compare_module._difference
-    monkeypatch.setattr(compare_module, "_difference", lambda got, want, torch: 1.0)
+    monkeypatch.setattr(compare_module, "_difference", lambda got, want, torch: (0.0, 1.0))
     report = gradmap.compare(f, bags, executors=("threads",), reps=1)
     assert report.best.startswith("loop")
-    assert any("differ" in note for note in report.notes)
+    (note,) = [note for note in report.notes if "differs from the loop" in note]
+    assert "gradients 1.0e+00" in note and "not safe on threads" in note
+    assert "Not recommended" in note and "differs" in str(report)
     monkeypatch.setattr(compare_module, "_difference", real)
 
 

@@ -8,12 +8,13 @@ NOTE [which executor]:
     but pay for pickling the items and results and for their round trips. So gradmap measures
     rather than guesses: each candidate computes the same loss (the sum of every floating-point
     result leaf) and its backward, interleaved with the others, several times; the medians of
-    forward + backward are compared with the plain loop's, and every candidate's gradients are
-    checked against the loop's. The ``.grad`` of every leaf the loss reaches is put back as it
-    was, and so is the global random generator, so a comparison in the middle of training
-    changes nothing. An ``f`` that draws random numbers (dropout) draws other numbers in a map
-    than in the loop (NOTE [random numbers per element]), so its gradients are not compared:
-    the report says so rather than calling the difference an error.
+    forward + backward are compared with the plain loop's, and every run's values and gradients
+    are checked against the loop's (NOTE [every run against the loop]). The ``.grad`` of every
+    leaf the loss reaches is put back as it was, and so is the global random generator, so a
+    comparison in the middle of training changes nothing. An ``f`` that draws random numbers
+    (dropout) draws other numbers in a map than in the loop (NOTE [random numbers per
+    element]), so its results are not compared: the report says so rather than calling the
+    difference an error.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Row:
     backward: float
     grad_error: float | None = None
     error: str | None = None
+    #: Its values or gradients differed from the loop's in some run: never recommended.
+    differs: bool = False
 
     @property
     def total(self) -> float:
@@ -87,6 +90,8 @@ class Comparison:
                 continue
             speedup = self.speedup(row.name)
             grad = "-" if row.grad_error is None else f"{row.grad_error:.1e}"
+            if row.differs:
+                grad += " differs"
             lines.append(
                 f"{row.name:<28} {row.forward * 1e3:9.2f} {row.backward * 1e3:9.2f} "
                 f"{row.total * 1e3:9.2f} {speedup or 0:7.2f}x {grad:>13}"
@@ -126,7 +131,8 @@ def compare(
         tsum: time ``gradmap.tsum`` instead of ``tmap`` (for a loss that is a sum over elements).
         reps: timed runs per candidate.
         workers: ``workers`` for every candidate (``None``: each executor's default).
-        tol: the largest relative gradient difference from the loop a candidate may show.
+        tol: the largest relative difference of values and gradients from the loop's that a
+            candidate may show.
 
     Returns:
         A [`Comparison`][gradmap.Comparison]; ``print`` it for a table and a recommendation.
@@ -167,16 +173,19 @@ def compare(
         )
 
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in candidates}
-    grads: dict[str, list[Any]] = {}
+    worst: dict[str, tuple[float, float, int, int]] = {}  # value, gradient error; runs off, runs
     failed: dict[str, str] = {}
-    drew = False
     with torch.random.fork_rng(devices=[]):  # the generator is left as it was
-        for rep in range(-SETTLE, reps + 1):
+        before = torch.default_generator.get_state()
+        # The loop's untimed first run: what every run is checked against.
+        _, _, reference = _timed(loop, None)
+        drew = not torch.equal(before, torch.default_generator.get_state())
+        for rep in range(-SETTLE, reps + 1):  # (untimed below 1)
             for name, run in candidates:
                 if name in failed or (rep < 0 and name.startswith("loop")):
                     continue
-                first_loop = rep == 0 and name == "loop"
-                before = torch.default_generator.get_state() if first_loop else None
+                if rep == 0 and name == "loop":
+                    continue  # (its first run was the reference)
                 try:
                     forward, backward, got = _timed(run, 1 if name.endswith("(1)") else None)
                 except Exception as exc:
@@ -184,13 +193,12 @@ def compare(
                         raise  # nothing to compare with: f itself fails, or has no backward
                     failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
                     continue
-                if rep < 0:
-                    continue
-                if rep == 0:
-                    grads[name] = got
-                    if before is not None:  # (the loop's first run: did f draw?)
-                        drew = not torch.equal(before, torch.default_generator.get_state())
-                else:
+                if not (name.startswith("loop") or drew):  # NOTE [every run against the loop]
+                    value_error, grad_error = _difference(got, reference, torch)
+                    v, g, off, runs = worst.get(name, (0.0, 0.0, 0, 0))
+                    bad = value_error > tol or grad_error > tol
+                    worst[name] = (max(v, value_error), max(g, grad_error), off + bad, runs + 1)
+                if rep > 0:
                     times[name].append((forward, backward))
     rows = []
     for name, _ in candidates:
@@ -199,8 +207,7 @@ def compare(
             continue
         forward = statistics.median(t for t, _ in times[name])
         backward = statistics.median(t for _, t in times[name])
-        compared = not (name.startswith("loop") or drew)
-        error = _difference(grads[name], grads["loop"], torch) if compared else None
+        error = worst[name][1] if name in worst else None
         rows.append(Row(name, forward, backward, error))
     baseline = min((r for r in rows if r.name.startswith("loop")), key=lambda r: r.total)
     rows.remove(baseline)
@@ -209,14 +216,16 @@ def compare(
     notes = []
     if drew:
         notes.append(
-            "f draws random numbers: gradients not compared (a map draws per element, not "
-            "from the loop's one stream)"
+            "f draws random numbers: values and gradients not compared (a map draws per "
+            "element, not from the loop's one stream)"
         )
     for row in rows[1:]:
         if row.error is not None or row.name.startswith("loop"):
             continue
-        if row.grad_error is not None and row.grad_error > tol:
-            notes.append(f"{row.name}: gradients differ from the loop's ({row.grad_error:.1e})")
+        value_error, grad_error, off, runs = worst.get(row.name, (0.0, 0.0, 0, 0))
+        if off:
+            notes.append(_differs(row.name, value_error, grad_error, off, runs, tol))
+            row.differs = True
             continue
         if row.total < best_total:
             best, best_total = row.name, row.total
@@ -255,9 +264,10 @@ def _loss(results: Any) -> Any:
     return torch.stack(terms).sum()
 
 
-def _timed(run: Callable[[], Any], threads: int | None) -> tuple[float, float, list[Any]]:
+def _timed(run: Callable[[], Any], threads: int | None) -> tuple[float, float, Any]:
     """One run (with ``threads`` intra-op threads, if given): forward seconds, backward seconds,
-    and the gradients of the leaves (the leaves' ``.grad`` put back as it was)."""
+    and the loss with the gradients of the leaves (the leaves' ``.grad`` put back as it
+    was)."""
     import torch
 
     if threads is None:
@@ -270,7 +280,7 @@ def _timed(run: Callable[[], Any], threads: int | None) -> tuple[float, float, l
         torch.set_num_threads(previous)
 
 
-def _timed_as_is(run: Callable[[], Any]) -> tuple[float, float, list[Any]]:
+def _timed_as_is(run: Callable[[], Any]) -> tuple[float, float, Any]:
     t0 = time.perf_counter()
     loss = run()
     t1 = time.perf_counter()
@@ -286,7 +296,7 @@ def _timed_as_is(run: Callable[[], Any]) -> tuple[float, float, list[Any]]:
     finally:
         for leaf, grad in zip(leaves, saved):
             leaf.grad = grad
-    return t1 - t0, t3 - t2, got
+    return t1 - t0, t3 - t2, (loss.detach(), got)
 
 
 def _leaves(loss: Any) -> list[Any]:
@@ -312,19 +322,60 @@ def _leaves(loss: Any) -> list[Any]:
     return leaves
 
 
-def _difference(got: list[Any], want: list[Any], torch: Any) -> float:
-    """The largest relative difference between two lists of gradients (inf if they differ in
-    shape or count)."""
-    if len(got) != len(want):
-        return float("inf")
+def _difference(got: Any, want: Any, torch: Any) -> tuple[float, float]:
+    """The largest relative differences of a run's loss and of its gradients from the
+    reference run's (inf where the gradients differ in shape, count or which are ``None``)."""
+    (loss, grads), (want_loss, want_grads) = got, want
+    value = _relative(loss, want_loss)
+    if len(grads) != len(want_grads):
+        return value, float("inf")
     worst = 0.0
-    for a, b in zip(got, want):
+    for a, b in zip(grads, want_grads):
         if a is None or b is None:
             if (a is None) != (b is None):
-                return float("inf")
+                return value, float("inf")
             continue
-        if a.shape != b.shape:
-            return float("inf")
-        scale = float(b.abs().max()) or 1.0
-        worst = max(worst, float((a - b).abs().max()) / scale)
-    return worst
+        worst = max(worst, _relative(a, b))
+    return value, worst
+
+
+def _relative(a: Any, b: Any) -> float:
+    """The largest difference of ``a`` from ``b``, relative to ``b``'s largest entry."""
+    if a.shape != b.shape:
+        return float("inf")
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    if not a.numel():
+        return 0.0
+    return float((a - b).abs().max()) / (scale or 1.0)
+
+
+def _differs(name: str, value: float, grad: float, off: int, runs: int, tol: float) -> str:
+    """The note for a candidate whose values or gradients differed from the loop's.
+
+    NOTE [every run against the loop]:
+        A race shows in some calls only (a library that keeps process-wide state, entered by
+        two elements on two threads at once), so every run of every candidate, the untimed
+        ones included, is checked against one untimed run of the loop: its loss (the sum the
+        timing differentiates) and every gradient. A candidate that differs in any run is said
+        to in plain words and never recommended: a faster wrong answer is no answer.
+    """
+    what = []
+    if value > tol:
+        what.append(f"values {value:.1e}")
+    if grad > tol:
+        what.append(f"gradients {grad:.1e}")
+    where = "threads" if "threads" in name else "worker processes" if "process" in name else ""
+    why = (
+        "f or a library it calls is not safe on threads (it keeps state every thread of the "
+        "process shares); use executor='processes' or the loop"
+        if where == "threads"
+        else "f or a library it calls depends on state of your process that other processes "
+        "do not share (a module global, a library's store); use executor='threads' if f is "
+        "safe there, or the loop"
+        if where
+        else "f or a library it calls does not give the loop's results on this executor"
+    )
+    return (
+        f"{name}: differs from the loop ({', '.join(what)} off, relative, in {off} of "
+        f"{runs} runs): {why}. Not recommended."
+    )
