@@ -11,7 +11,8 @@ The loop and gradmap run the same program on fresh copies of the same values; va
 and which gradients are ``None`` must agree (float64, up to summation order).
 
 A few seconds in CI; ``GRADMAP_FUZZ=N`` runs N cases per executor (a quarter of that on
-processes): ``GRADMAP_FUZZ=2000 pytest -m fuzz``.
+processes): ``GRADMAP_FUZZ=2000 pytest -m fuzz``. ``GRADMAP_FUZZ_PROCESSES=N`` sets the cases on
+processes instead, and ``GRADMAP_FUZZ_REMAT`` the share of cases with ``remat`` (default 0.3).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ pytestmark = pytest.mark.usefixtures("both_walks")
 
 F64 = torch.float64
 CASES = int(os.environ.get("GRADMAP_FUZZ", "40"))
+PROCESS_CASES = int(os.environ.get("GRADMAP_FUZZ_PROCESSES", str(max(1, CASES // 4))))
+REMAT = float(os.environ.get("GRADMAP_FUZZ_REMAT", "0.3"))
 EXECUTORS = ["serial", "threads", "processes"]
 
 #: Globals the drawn programs read (a method reading a global is a case of its own).
@@ -242,7 +245,7 @@ def draw(rng: random.Random, executor: str) -> dict[str, Any]:
         "out": rng.choice(["scalar", "scalar", "pair", "vector", "maybe"]),
         "f": rng.choice(["closure", "module", "global-method", "callable", "partial"]),
         "api": rng.choice(["tmap", "tsum"]),
-        "remat": rng.random() < 0.3,
+        "remat": rng.random() < REMAT,
         "chunksize": rng.choice([None, 1, 2, 3]),
         "use": rng.choice(["backward", "grad", "grad-subset", "zero-weights"]),
         "double": executor != "processes" and rng.random() < 0.2,
@@ -336,7 +339,7 @@ def test_random_programs_give_the_loops_values_and_gradients(executor: str) -> N
     if executor == "processes":  # the workers cannot import this test module
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
     rng = random.Random(f"gradmap-fuzz-{executor}")
-    cases = max(1, CASES // 4) if executor == "processes" else CASES
+    cases = PROCESS_CASES if executor == "processes" else CASES
     for case in range(cases):
         program = draw(rng, executor)
         seed = rng.randrange(1 << 30)

@@ -138,6 +138,9 @@ struct Walk {
   std::vector<const Node*> seen;
   std::unordered_set<const Node*> seen_else;
   std::vector<Node*> stack;
+  // Every inner node reached, held until the walk ends: the addresses in ``stack``, ``seen``
+  // and ``to_leaves`` stay those of live nodes whoever else lets go of them meanwhile.
+  std::vector<NodePtr> held;
   std::vector<Place> to_leaves;  // edges to leaves, gated only if the chunk has non-leaf edges
   bool non_leaf = false;
   // The accumulators of leaves the chunk returns as they are. A leaf holds its accumulator
@@ -202,6 +205,7 @@ struct Walk {
     Node* child = edge.function.get();
     if (is_inner(child, thread, lo, hi)) {
       if (first_sight(child)) {
+        held.push_back(edge.function);
         stack.push_back(child);
       }
       return false;
@@ -314,20 +318,37 @@ py::tuple walk(const std::vector<at::Tensor>& outputs, uint64_t lo, uint64_t hi)
 
 // For each of a walked chunk's boundary inputs (tensors on its gates' edges), whether the graph
 // from ``outputs`` reaches it: which gradients a cotangent of zeros would have made zeros.
+//
+// Every node whose address is kept (a key of ``gates``, on ``stack``, in ``seen``) is held in
+// ``held`` until the end. A leaf holds its accumulator weakly: for a leaf no graph holds it for
+// (one ``f`` returned as it is, read by nothing else), gradient_edge() makes a new one, owned by
+// the Edge alone, which the next look replaces and so frees. Were they let go, an input and an
+// output that are one leaf would get two accumulators (a miss), and a leaf twice among the
+// outputs would free the first one's while its address is on the stack (read after it is
+// freed: a crash, or a false hit where another node took the address). Held, every look at a
+// leaf finds the same accumulator.
 std::vector<bool> reaches(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
+  std::vector<NodePtr> held;
   std::unordered_map<const Node*, size_t> gates;
   for (size_t k = 0; k < inputs.size(); ++k) {
-    gates.emplace(torch::autograd::impl::gradient_edge(inputs[k]).function.get(), k);
+    auto node = torch::autograd::impl::gradient_edge(inputs[k]).function;
+    if (node) {
+      gates.emplace(node.get(), k);
+      held.push_back(std::move(node));
+    }
   }
   std::vector<bool> hit(inputs.size(), false);
   std::unordered_set<const Node*> seen;
   std::vector<Node*> stack;
+  auto reach = [&](const NodePtr& node) {
+    if (node && seen.insert(node.get()).second) {
+      held.push_back(node);
+      stack.push_back(node.get());
+    }
+  };
   py::gil_scoped_release no_gil;
   for (const auto& t : outputs) {
-    auto edge = torch::autograd::impl::gradient_edge(t);
-    if (edge.function && seen.insert(edge.function.get()).second) {
-      stack.push_back(edge.function.get());
-    }
+    reach(torch::autograd::impl::gradient_edge(t).function);
   }
   while (!stack.empty()) {
     Node* node = stack.back();
@@ -341,8 +362,8 @@ std::vector<bool> reaches(const std::vector<at::Tensor>& outputs, const std::vec
       continue;  // another chunk's, or another map's: nothing of this boundary behind it
     }
     for (const auto& edge : node->next_edges()) {
-      if (edge.is_valid() && seen.insert(edge.function.get()).second) {
-        stack.push_back(edge.function.get());
+      if (edge.is_valid()) {
+        reach(edge.function);
       }
     }
   }
