@@ -789,6 +789,24 @@ def test_items_in_shared_memory_travel_by_reference(ex):
     close(got, ref)
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_jagged_nested_results_get_the_loops_gradients(ex, remat):
+    """f returns a jagged nested tensor: the result and its cotangent each cross a pickle,
+    whose offsets are new ones with another nested int, and the worker's engine refused the
+    cotangent (NOTE [jagged results' nested ints] in ``_torch/_chunk``)."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    f = lambda x: torch.nested.as_nested_tensor([x[:2] * w[:2], (x * w).sin()], layout=torch.jagged)  # noqa: E731
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+
+    def loss(ys: list[torch.Tensor]) -> torch.Tensor:
+        return sum((i + 1) * (y.values() ** 2).sum() for i, y in enumerate(ys))
+
+    want = torch.autograd.grad(loss(loop(f, xs)), w)
+    ys = gradmap.tmap(f, xs, executor=ex, chunksize=2, remat=remat)
+    assert all(y.layout == torch.jagged for y in ys)
+    close(torch.autograd.grad(loss(ys), w), want)
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_sparse_items_and_a_sparse_parameter(ex):
     """Sparse tensors have no one storage: items and closure tensors of a sparse layout pickle

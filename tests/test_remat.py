@@ -322,6 +322,26 @@ def test_a_module_with_a_sparse_buffer_through_a_recompute(tmap_kwargs, layout):
     assert model.a.layout == layout and model.a._version == 0
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_jagged_nested_results_get_the_loops_gradients(tmap_kwargs, remat):
+    """f returns a jagged nested tensor: a recompute makes new offsets, whose ragged size is
+    another nested int, and both the recompute's check and the engine (given the cotangent of
+    the result the user holds) refused it (NOTE [jagged results' nested ints])."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nested.as_nested_tensor([x[:2] * w[:2], (x * w).sin()], layout=torch.jagged)
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+
+    def loss(ys: list[torch.Tensor]) -> torch.Tensor:
+        return sum((i + 1) * (y.values() ** 2).sum() for i, y in enumerate(ys))
+
+    want = torch.autograd.grad(loss([f(x) for x in xs]), w)
+    ys = gradmap.tmap(f, xs, remat=remat, **tmap_kwargs)
+    torch.testing.assert_close(torch.autograd.grad(loss(ys), w), want)
+
+
 @pytest.mark.parametrize("uses", ["module", "global"])
 @pytest.mark.parametrize("how", ["remat", "create_graph"])
 def test_an_f_that_writes_grad_itself_is_not_run_again(tmap_kwargs, how, uses):

@@ -567,7 +567,7 @@ def pull_back(
                 if nonzero[e]:
                     live.append(e)
                     outs.append(t)
-                    grads.append(g)
+                    grads.append(g if type(g) is Tensor else _tied(g, t))
                 else:
                     zeros.append(t)
     else:
@@ -578,8 +578,9 @@ def pull_back(
                 if g is not None:
                     if nonzero[o]:
                         had = True
-                        outs.append(record.outputs[o])
-                        grads.append(g)
+                        t = record.outputs[o]
+                        outs.append(t)
+                        grads.append(g if type(g) is Tensor else _tied(g, t))
                     else:
                         zeros.append(record.outputs[o])
             if had:
@@ -811,7 +812,7 @@ def _pull_back_one(
     pairs = [(record.outputs[o], cotangents[o]) for o in range(*el.outputs)]
     pairs = [(t, g) for t, g in pairs if g is not None]
     outs = [t for t, _ in pairs]
-    grads: list[Tensor] = [g for _, g in pairs if g is not None]
+    grads: list[Tensor] = [_tied(g, t) for t, g in pairs if g is not None]
     _grad(outs, inputs, grads, create_graph=False, owner=owner)
 
 
@@ -857,8 +858,9 @@ def _pull_back_fresh(
             for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
                 g = cotangents[o]
                 if g is not None:
-                    outs.append(fresh.outputs[o_new])
-                    grads.append(g)
+                    t = fresh.outputs[o_new]
+                    outs.append(t)
+                    grads.append(_tied(g, t))
         where = {key: k for k, key in enumerate(record.boundary.keys)}
         result: list[Tensor | None] = [None] * len(record.boundary.keys)
         places: list[int | None] = []
@@ -961,14 +963,63 @@ def _made_anew(
     return None
 
 
+def _tied(g: Tensor, t: Tensor) -> Tensor:
+    """Cotangent ``g`` of output ``t``, on ``t``'s ragged structure when both are jagged.
+
+    NOTE [jagged results' nested ints]:
+        A jagged nested tensor's ragged size is a nested int (``j1``) bound to its offsets
+        tensor object, and the engine refuses a cotangent whose shape names another one. The
+        cotangent of a result is shaped like the tensor the user holds, and that is not always
+        the tensor pulled back: a recompute (``remat``, ``create_graph``) makes new offsets,
+        and on processes the result and its cotangent each cross a pickle, whose offsets are
+        new ones. The values are the same (the recompute checks them, offsets included:
+        ``_equal_values``), so the cotangent's values are put on ``t``'s offsets; a cotangent
+        whose offsets hold other values is left alone (the engine names the mismatch).
+    """
+    a: Any = g  # (NestedTensor's methods)
+    b: Any = t
+    if (
+        a.layout != torch.jagged
+        or b.layout != torch.jagged
+        or a.shape == b.shape
+        or a.dim() != b.dim()
+        or a._ragged_idx != b._ragged_idx
+        or a.lengths() is not None
+        or b.lengths() is not None
+        or not _same_parts(a.offsets(), b.offsets())
+    ):
+        return g
+    return torch.nested.nested_tensor_from_jagged(a.values(), b.offsets(), jagged_dim=b._ragged_idx)
+
+
 def _equal_values(a: Tensor, b: Tensor) -> bool:
     """Whether two results of one element hold the same values (NaN equal to NaN), whatever
-    their layout (sparse results compared dense: ``torch.equal`` takes strided tensors only)."""
+    their layout (sparse results compared dense: ``torch.equal`` takes strided tensors only;
+    jagged ones by their offsets and values: their ragged sizes are new nested ints, NOTE
+    [jagged results' nested ints])."""
+    if a.layout == torch.jagged and b.layout == torch.jagged:
+        return _equal_jagged(a, b)
     if a.shape != b.shape or a.layout != b.layout or a.dtype != b.dtype:
         return False
     if a.layout != torch.strided:
         a, b = a.to_dense(), b.to_dense()
     return torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _equal_jagged(a: Any, b: Any) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.dim() == b.dim()
+        and a._ragged_idx == b._ragged_idx
+        and (a.lengths() is None) == (b.lengths() is None)
+        and _same_parts(a.offsets(), b.offsets())
+        and (a.lengths() is None or _same_parts(a.lengths(), b.lengths()))
+        and _equal_values(a.values(), b.values())
+    )
+
+
+def _same_parts(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
 
 
 def _not_deterministic(api: str, detail: str = "") -> NoReturn:
