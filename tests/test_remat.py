@@ -342,6 +342,32 @@ def test_jagged_nested_results_get_the_loops_gradients(tmap_kwargs, remat):
     torch.testing.assert_close(torch.autograd.grad(loss(ys), w), want)
 
 
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_a_recompute_that_gives_other_values_names_the_element_and_the_difference(tmap_kwargs, how):
+    """f gives other values when run again (here: a count of its calls; a library call that is
+    not bitwise deterministic, such as lstsq's default driver): the error names the element,
+    the result's leaf, the largest difference and where, the likely causes and the fixes."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    calls = dict.fromkeys(range(4), 0)
+
+    def f(i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[i] += 1
+        bump = torch.tensor([0.0, 1e-3, 0.0], dtype=torch.float64) * (i == 2 and calls[i] > 1)
+        return (x * w).sum(), (x * w).tanh() + bump
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    ys = gradmap.tmap(f, range(4), xs, remat=how == "remat", **tmap_kwargs)
+    loss = sum(a + b.sum() for a, b in ys)
+    with pytest.raises(RuntimeError) as caught:
+        torch.autograd.grad(loss, w, create_graph=how == "create_graph")
+    text = str(caught.value)
+    assert "element 2 (of 4), its result's leaf 1" in text, text
+    assert "largest absolute difference is 0.001, at index [1]" in text, text
+    for told in ("not bitwise deterministic", "not safe on threads", "remat=False"):
+        assert told in text, text
+    assert "executor='serial' or executor='processes'" in text, text
+
+
 @pytest.mark.parametrize("uses", ["module", "global"])
 @pytest.mark.parametrize("how", ["remat", "create_graph"])
 def test_an_f_that_writes_grad_itself_is_not_run_again(tmap_kwargs, how, uses):

@@ -831,26 +831,36 @@ def _pull_back_fresh(
     """Recompute the live elements (with a graph) and pull back through the fresh graph, mapping
     its boundary onto the stored record's (``wanted`` entries only)."""
 
-    def same(fresh: ChunkRecord, which: list[int]) -> bool:
+    def differs(fresh: ChunkRecord, which: list[int]) -> str | None:
+        """``None`` if the recompute gave the forward's results; else where it did not."""
+        if len(fresh.elements) != len(which):
+            return f" Here it gave {len(fresh.elements)} elements for {len(which)}."
         for e, new in zip(which, fresh.elements):
             el = record.elements[e]
             if new.outputs[1] - new.outputs[0] != el.outputs[1] - el.outputs[0]:
-                return False
+                return (
+                    f" Here element {el.index} (of {n}) gave {new.outputs[1] - new.outputs[0]} "
+                    f"differentiable result leaves, against {el.outputs[1] - el.outputs[0]} in "
+                    "its forward."
+                )
             for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
                 a, b = fresh.outputs[o_new], record.outputs[o]
                 if a._version != b._version:
                     continue  # the user changed the result in place since: not comparable
                 if not _equal_values(a.detach(), b.detach()):
-                    return False
-        return len(fresh.elements) == len(which)
+                    leaf = el.diff[o - el.outputs[0]]
+                    where = _difference(a.detach(), b.detach())
+                    return f" Here element {el.index} (of {n}), its result's leaf {leaf}: {where}"
+        return None
 
     def run(which: list[int]) -> list[Tensor | None]:
         indices = [record.elements[e].index for e in which]
         fresh = recompute(indices, False)
-        if not same(fresh, which):
+        if differs(fresh, which) is not None:
             fresh = recompute(indices, True)  # f drew random numbers after all: replay them
-            if not same(fresh, which):
-                _not_deterministic(api)
+            detail = differs(fresh, which)
+            if detail is not None:
+                _not_deterministic(api, detail + _OTHER_VALUES)
         outs: list[Tensor] = []
         grads: list[Tensor] = []
         for e, new in zip(which, fresh.elements):
@@ -1016,6 +1026,47 @@ def _equal_jagged(a: Any, b: Any) -> bool:
         and (a.lengths() is None or _same_parts(a.lengths(), b.lengths()))
         and _equal_values(a.values(), b.values())
     )
+
+
+def _difference(fresh: Tensor, stored: Tensor) -> str:
+    """Where a recomputed result differs from its forward's: its largest absolute difference
+    and the index of it, or the shapes (dtypes, layouts) that differ."""
+    if fresh.layout == torch.jagged and stored.layout == torch.jagged:
+        a: Any = fresh
+        b: Any = stored
+        if not _same_parts(a.offsets(), b.offsets()):
+            return "its ragged sizes (offsets) differ."
+        return _difference(a.values(), b.values()) + " (of the jagged values)"
+    if fresh.shape != stored.shape or fresh.dtype != stored.dtype or fresh.layout != stored.layout:
+        return (
+            f"shape {tuple(fresh.shape)}, {fresh.dtype}, {fresh.layout}, against "
+            f"{tuple(stored.shape)}, {stored.dtype}, {stored.layout} in its forward."
+        )
+    if fresh.layout != torch.strided:
+        fresh, stored = fresh.to_dense(), stored.to_dense()
+    wide = torch.complex128 if fresh.is_complex() else torch.float64
+    x, y = fresh.to(wide), stored.to(wide)
+    gap = (x - y).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+    gap[(x == y) | (x.isnan() & y.isnan())] = 0  # (inf == inf; NaN equal to NaN)
+    flat = int(gap.argmax()) if gap.numel() else 0
+    at = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), gap.shape))
+    index = f", at index {list(at)}" if at else ""
+    return (
+        f"the largest absolute difference is {float(gap.flatten()[flat]):.3g}{index} "
+        f"({fresh.flatten()[flat].item()} recomputed, {stored.flatten()[flat].item()} in its "
+        "forward)."
+    )
+
+
+_OTHER_VALUES = (
+    " So f (or a library it calls) gave other values when run again: what it reads changed "
+    "(through .data, or a global set meanwhile), a library call is not bitwise deterministic "
+    "run to run (torch.linalg.lstsq's default CPU driver, gelsy, is one), or a library keeps "
+    "process-wide state which another thread changed meanwhile (not safe on threads). Fix: "
+    "remat=False (and no create_graph=True backward); a deterministic driver or algorithm "
+    "(for lstsq, driver='gelsd'; torch.use_deterministic_algorithms(True)); executor='serial' "
+    "or executor='processes' for a library that is not thread-safe."
+)
 
 
 def _same_parts(a: Tensor, b: Tensor) -> bool:
