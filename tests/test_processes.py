@@ -789,6 +789,26 @@ def test_items_in_shared_memory_travel_by_reference(ex):
     close(got, ref)
 
 
+#: A global whose name is also an attribute of a package f's module imports (``torch.ops``).
+ops = nn.ModuleDict({"lin": nn.Linear(3, 2).double()})
+
+
+def _uses_ops(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(ops["lin"](x)).sum()
+
+
+def test_a_global_named_as_a_submodule_of_an_imported_package(ex):
+    """f names the global ``ops`` (a ModuleDict) beside ``import torch``: cloudpickle took it
+    for the submodule ``torch.ops``, which does not pickle, and gradmap said f must be
+    picklable (NOTE [the submodules a function names])."""
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+    params = list(ops.parameters())
+    want = torch.autograd.grad(sum(loop(_uses_ops, xs)), params)
+    ys = gradmap.tmap(_uses_ops, xs, executor=ex, chunksize=2)
+    close(ys, loop(_uses_ops, xs))
+    close(torch.autograd.grad(sum(ys), params), want)
+
+
 @pytest.mark.parametrize("remat", [False, True])
 def test_jagged_nested_results_get_the_loops_gradients(ex, remat):
     """f returns a jagged nested tensor: the result and its cotangent each cross a pickle,
