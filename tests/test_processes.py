@@ -789,6 +789,46 @@ def test_items_in_shared_memory_travel_by_reference(ex):
     close(got, ref)
 
 
+def test_pyro_params_on_processes_are_refused_naming_the_param_store(ex):
+    """``pyro.param`` inside f: each worker has its own param store, whose parameters never
+    reach the caller. The error names the store and the parameter, and advises passing the
+    parameters in or ``executor='serial'``, not threads (one store for all of them)."""
+    pyro = pytest.importorskip("pyro")
+    dist = pytest.importorskip("pyro.distributions")
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        loc = pyro.param("loc", torch.tensor(0.0, dtype=torch.float64))
+        return dist.Normal(loc, 1.0).log_prob(x).sum()
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    with pytest.raises(gradmap.ForeignTensorError) as caught:
+        gradmap.tmap(model, xs, executor=ex, chunksize=2)
+    text = str(caught.value)
+    assert "pyro's param store's parameter 'loc'" in text, text
+    assert "one per process" in text and "executor='serial'" in text, text
+    assert "pyro.nn.PyroModule" in text, text
+    assert "executor='threads'" not in text, text
+    pyro.clear_param_store()
+
+
+def test_a_tensor_f_caches_in_a_module_is_named_where_the_worker_holds_it(ex):
+    """f caches a leaf in a module's global dict, on the worker: the error says where the
+    worker holds it (NOTE [where a foreign tensor lives])."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if "w" not in support.CACHE:
+            support.CACHE["w"] = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        return (x * support.CACHE["w"]).sum()
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    told = r"held by the worker at support\.CACHE\['w'\]"
+    try:
+        with pytest.raises(gradmap.ForeignTensorError, match=told):
+            gradmap.tmap(f, xs, executor=ex, chunksize=4)
+    finally:
+        support.CACHE.clear()
+
+
 #: A global whose name is also an attribute of a package f's module imports (``torch.ops``).
 ops = nn.ModuleDict({"lin": nn.Linear(3, 2).double()})
 

@@ -52,6 +52,7 @@ from .._tree import flatten, unflatten
 from ._kept import KeptItems, KeptOnHost
 from ._pickling import AsIs, LeafResult, LeafTable, dumps_results, loads
 from ._settings import Setting, check_settings
+from ._where import pyro_param_name, where_held
 
 __all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "draw_base", "in_worker"]
 
@@ -848,9 +849,26 @@ def _refs_of_a_leaf_let_go(known: Known) -> int:
 
 
 def _foreign(state: _CallState, t: Tensor) -> ForeignTensorError:
-    return ForeignTensorError(
+    """The error for a tensor ``f`` used that did not come from the caller, saying where the
+    worker holds it where that can be found (NOTE [where a foreign tensor lives])."""
+    head = (
         f"{state.api}: f used a tensor that requires grad but did not come from the caller "
-        f"(shape {tuple(t.shape)}): the worker's own copy of a module global, a tensor f cached "
+        f"(shape {tuple(t.shape)}"
+    )
+    param = pyro_param_name(t)
+    if param is not None:
+        return ForeignTensorError(
+            f"{head}): pyro's param store's parameter {param!r} (pyro.param). pyro's param "
+            "store is one per process: each worker has its own, whose gradients never reach "
+            "the caller's. Pass the parameters into f explicitly (as a closure or items), or "
+            "hold them as pyro.nn.PyroModule parameters of a module f refers to, or use "
+            "executor='serial' (not threads: pyro's param store is one for all of them, and "
+            "not safe to share)."
+        )
+    held = where_held(t, state.f)
+    where = "" if held is None else f", held by the worker at {held}"
+    return ForeignTensorError(
+        f"{head}{where}): the worker's own copy of a module global, a tensor f cached "
         "on the worker, or a leaf f made and kept (an item made to require grad in place, "
         "x.requires_grad_(), whose .grad the loop fills in your process). Only tensors "
         "reachable from f and the items travel (cloudpickle pickles functions of importable "
