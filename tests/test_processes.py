@@ -1469,6 +1469,57 @@ def test_the_scripts_own_classes_and_numpy_memory_stay_the_users(tmp_path):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+_WARNINGS_SCRIPT = """
+import warnings
+
+import torch
+
+import gradmap
+from gradmap._process import _local
+
+_local.TINY = 0.0  # (maps of a few elements reach the workers)
+
+
+def f(x):
+    warnings.warn("gradmap test: filtered away", FutureWarning)
+    warnings.warn("gradmap test: shown", UserWarning)
+    return (x * 2).sum()
+
+
+warnings.filterwarnings("ignore", message="gradmap test: filtered", category=FutureWarning)
+xs = [torch.randn(3) for _ in range(4)]
+for helps in (False, True):
+    ex = gradmap.ProcessExecutor(workers=2, caller_helps=helps)
+    gradmap.tmap(f, xs, executor=ex, chunksize=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        try:
+            gradmap.tmap(f, xs, executor=ex, chunksize=1)
+        except UserWarning as e:
+            print("raised", e)
+    gradmap.tmap(f, xs, executor=ex, chunksize=1)  # the filters as they were again
+    ex.shutdown()
+print("ok")
+"""
+
+
+def test_the_callers_warnings_filters_reach_the_workers(tmp_path):
+    """Filters the caller set (``filterwarnings("ignore", ...)``, ``simplefilter("error")``)
+    hold for f's warnings on the workers as in the loop: a FutureWarning ignored is printed by
+    no worker, a warning turned into an error raises (NOTE [the caller's warnings filters])."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(_WARNINGS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert done.stdout.count("raised gradmap test: shown") == 2, done.stdout
+    assert "gradmap test: filtered away" not in done.stderr, done.stderr[-3000:]
+    assert "gradmap test: shown" in done.stderr, done.stderr[-3000:]  # (the check can see them)
+
+
 def test_a_first_map_inside_inference_mode_imports_cleanly(tmp_path):
     """gradmap imports its PyTorch parts at the first map, which may run in inference_mode."""
     import subprocess

@@ -49,6 +49,7 @@ from .._torch._graph import Boundary, Known, modules_of, tensors_in, tensors_of
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
+from ._filters import caller_filters, take_filters
 from ._kept import KeptItems, KeptOnHost
 from ._pickling import AsIs, LeafResult, LeafTable, dumps_results, loads
 from ._settings import Setting, check_settings
@@ -136,6 +137,8 @@ class CallSpec:
         api: ``"gradmap.tmap"`` or ``"gradmap.tsum"``, for errors.
         settings: the module settings ``f`` reads, as the caller sees them (NOTE [settings a
             worker imports anew]).
+        warnings: the caller's warnings filters, ``(digest, payload)`` (NOTE [the caller's
+            warnings filters] in ``_filters``).
     """
 
     n: int
@@ -148,16 +151,18 @@ class CallSpec:
     settings: tuple[Setting, ...] = ()
     anomaly: tuple[bool, bool] | None = None  # (None: off, PyTorch's default)
     deterministic: tuple[bool, bool] | None = None  # (None: off)
+    warnings: tuple[bytes, bytes] | None = None  # (None: no filter pickles)
 
 
 def process_wide() -> dict[str, Any]:
-    """The caller's process-wide PyTorch settings that a worker process takes for a call: the
-    default dtype, anomaly mode, deterministic algorithms (``CallSpec``'s fields)."""
+    """The caller's process-wide settings that a worker process takes for a call: the default
+    dtype, anomaly mode, deterministic algorithms, warnings filters (``CallSpec``'s fields)."""
     anomaly, deterministic = _anomaly(), _deterministic()
     return {  # (the defaults as None: a call's every message carries them)
         "default_dtype": torch.get_default_dtype(),
         "anomaly": None if anomaly == _ANOMALY_OFF else anomaly,
         "deterministic": None if deterministic == _DETERMINISTIC_OFF else deterministic,
+        "warnings": caller_filters(),
     }
 
 
@@ -178,7 +183,10 @@ def _deterministic() -> tuple[bool, bool]:
 
 def _process_wide(spec: CallSpec) -> AbstractContextManager[None]:
     """Within it, the process runs with ``spec``'s process-wide settings (the caller's: in the
-    caller's own process, they are already)."""
+    caller's own process, they are already). A worker process takes the caller's warnings
+    filters, and keeps them (NOTE [the caller's warnings filters])."""
+    if _in_worker:
+        take_filters(spec.warnings)
     anomaly = spec.anomaly or _ANOMALY_OFF
     deterministic = spec.deterministic or _DETERMINISTIC_OFF
     if (
