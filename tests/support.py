@@ -37,6 +37,11 @@ def loop(f: Callable[..., Any], *iterables: Any) -> list[Any]:
     return [f(*args) for args in zip(*iterables, strict=False)]
 
 
+#: A cache in a module workers import by reference, for ``test_processes``: what f keeps in it
+#: on a worker is the worker's own (the error says where the worker holds it).
+CACHE: dict[str, Any] = {}
+
+
 def ragged(n: int = 10, d: int = 4, seed: int = 0, grad: bool = True) -> list[torch.Tensor]:
     """``n`` items of 1-6 rows of ``d`` features."""
     g = torch.Generator().manual_seed(seed)

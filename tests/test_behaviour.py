@@ -526,6 +526,30 @@ def test_zero_cotangent_everywhere_gives_zero_parameter_gradient(tmap_kwargs):
     torch.testing.assert_close(w.grad, torch.zeros(3))
 
 
+def test_a_sparse_tensor_that_requires_grad_gets_the_loops_gradient_map_after_map(tmap_kwargs):
+    """A sparse COO tensor that requires grad, in f's closure and as every element's item:
+    ``sum(ys).backward()`` twice in a row (the second map's losses are pulled back early, as the
+    first backward learnt: NOTE [tmap's losses pulled back early]) gives the loop's gradient,
+    sparse as the loop's is (sizing the early gradients asked ``nbytes``, which sparse tensors
+    lack)."""
+    g = torch.Generator().manual_seed(5)
+    dense = torch.randn(4, 4, generator=g, dtype=torch.float64).relu()
+    s = dense.to_sparse().requires_grad_()
+    t = (dense.T + 1.0).relu().to_sparse().requires_grad_()
+    xs = [torch.randn(4, 1, generator=g, dtype=torch.float64) for _ in range(6)]
+
+    def f(x: Tensor, item: Tensor) -> Tensor:
+        return (torch.sparse.mm(s, x).tanh() ** 2).sum() + torch.sparse.mm(item, x).sum()
+
+    sum(loop(f, xs, [t] * len(xs))).backward()
+    want = [s.grad.to_dense(), t.grad.to_dense()]
+    for _ in range(2):
+        s.grad = t.grad = None
+        sum(gradmap.tmap(f, xs, [t] * len(xs), **tmap_kwargs)).backward()
+        assert s.grad.layout == t.grad.layout == torch.sparse_coo
+        torch.testing.assert_close([s.grad.to_dense(), t.grad.to_dense()], want)
+
+
 def test_serial_pulls_back_in_reverse_element_order():
     """The serial executor's backward runs the elements from the last to the first."""
     for chunksize in (1, 2, 3, None):

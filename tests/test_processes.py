@@ -789,6 +789,84 @@ def test_items_in_shared_memory_travel_by_reference(ex):
     close(got, ref)
 
 
+def test_pyro_params_on_processes_are_refused_naming_the_param_store(ex):
+    """``pyro.param`` inside f: each worker has its own param store, whose parameters never
+    reach the caller. The error names the store and the parameter, and advises passing the
+    parameters in or ``executor='serial'``, not threads (one store for all of them)."""
+    pyro = pytest.importorskip("pyro")
+    dist = pytest.importorskip("pyro.distributions")
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        loc = pyro.param("loc", torch.tensor(0.0, dtype=torch.float64))
+        return dist.Normal(loc, 1.0).log_prob(x).sum()
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    with pytest.raises(gradmap.ForeignTensorError) as caught:
+        gradmap.tmap(model, xs, executor=ex, chunksize=2)
+    text = str(caught.value)
+    assert "pyro's param store's parameter 'loc'" in text, text
+    assert "one per process" in text and "executor='serial'" in text, text
+    assert "pyro.nn.PyroModule" in text, text
+    assert "executor='threads'" not in text, text
+    pyro.clear_param_store()
+
+
+def test_a_tensor_f_caches_in_a_module_is_named_where_the_worker_holds_it(ex):
+    """f caches a leaf in a module's global dict, on the worker: the error says where the
+    worker holds it (NOTE [where a foreign tensor lives])."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if "w" not in support.CACHE:
+            support.CACHE["w"] = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        return (x * support.CACHE["w"]).sum()
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    told = r"held by the worker at support\.CACHE\['w'\]"
+    try:
+        with pytest.raises(gradmap.ForeignTensorError, match=told):
+            gradmap.tmap(f, xs, executor=ex, chunksize=4)
+    finally:
+        support.CACHE.clear()
+
+
+#: A global whose name is also an attribute of a package f's module imports (``torch.ops``).
+ops = nn.ModuleDict({"lin": nn.Linear(3, 2).double()})
+
+
+def _uses_ops(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(ops["lin"](x)).sum()
+
+
+def test_a_global_named_as_a_submodule_of_an_imported_package(ex):
+    """f names the global ``ops`` (a ModuleDict) beside ``import torch``: cloudpickle took it
+    for the submodule ``torch.ops``, which does not pickle, and gradmap said f must be
+    picklable (NOTE [the submodules a function names])."""
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+    params = list(ops.parameters())
+    want = torch.autograd.grad(sum(loop(_uses_ops, xs)), params)
+    ys = gradmap.tmap(_uses_ops, xs, executor=ex, chunksize=2)
+    close(ys, loop(_uses_ops, xs))
+    close(torch.autograd.grad(sum(ys), params), want)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_jagged_nested_results_get_the_loops_gradients(ex, remat):
+    """f returns a jagged nested tensor: the result and its cotangent each cross a pickle,
+    whose offsets are new ones with another nested int, and the worker's engine refused the
+    cotangent (NOTE [jagged results' nested ints] in ``_torch/_chunk``)."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    f = lambda x: torch.nested.as_nested_tensor([x[:2] * w[:2], (x * w).sin()], layout=torch.jagged)  # noqa: E731
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+
+    def loss(ys: list[torch.Tensor]) -> torch.Tensor:
+        return sum((i + 1) * (y.values() ** 2).sum() for i, y in enumerate(ys))
+
+    want = torch.autograd.grad(loss(loop(f, xs)), w)
+    ys = gradmap.tmap(f, xs, executor=ex, chunksize=2, remat=remat)
+    assert all(y.layout == torch.jagged for y in ys)
+    close(torch.autograd.grad(loss(ys), w), want)
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_sparse_items_and_a_sparse_parameter(ex):
     """Sparse tensors have no one storage: items and closure tensors of a sparse layout pickle
@@ -1389,6 +1467,57 @@ def test_the_scripts_own_classes_and_numpy_memory_stay_the_users(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_WARNINGS_SCRIPT = """
+import warnings
+
+import torch
+
+import gradmap
+from gradmap._process import _local
+
+_local.TINY = 0.0  # (maps of a few elements reach the workers)
+
+
+def f(x):
+    warnings.warn("gradmap test: filtered away", FutureWarning)
+    warnings.warn("gradmap test: shown", UserWarning)
+    return (x * 2).sum()
+
+
+warnings.filterwarnings("ignore", message="gradmap test: filtered", category=FutureWarning)
+xs = [torch.randn(3) for _ in range(4)]
+for helps in (False, True):
+    ex = gradmap.ProcessExecutor(workers=2, caller_helps=helps)
+    gradmap.tmap(f, xs, executor=ex, chunksize=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        try:
+            gradmap.tmap(f, xs, executor=ex, chunksize=1)
+        except UserWarning as e:
+            print("raised", e)
+    gradmap.tmap(f, xs, executor=ex, chunksize=1)  # the filters as they were again
+    ex.shutdown()
+print("ok")
+"""
+
+
+def test_the_callers_warnings_filters_reach_the_workers(tmp_path):
+    """Filters the caller set (``filterwarnings("ignore", ...)``, ``simplefilter("error")``)
+    hold for f's warnings on the workers as in the loop: a FutureWarning ignored is printed by
+    no worker, a warning turned into an error raises (NOTE [the caller's warnings filters])."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(_WARNINGS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert done.stdout.count("raised gradmap test: shown") == 2, done.stdout
+    assert "gradmap test: filtered away" not in done.stderr, done.stderr[-3000:]
+    assert "gradmap test: shown" in done.stderr, done.stderr[-3000:]  # (the check can see them)
 
 
 def test_a_first_map_inside_inference_mode_imports_cleanly(tmp_path):

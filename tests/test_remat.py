@@ -293,6 +293,81 @@ def test_sparse_results_through_a_recompute(tmap_kwargs, how):
     torch.testing.assert_close(got, want)
 
 
+class _SparseBuffer(nn.Module):
+    """A layer holding a sparse matrix as a buffer, as cvxpylayers' ``CvxpyLayer`` does."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__()
+        a = torch.randn(4, 4, dtype=torch.float64).relu()
+        sparse = a.to_sparse_csr() if layout == torch.sparse_csr else a.to_sparse()
+        self.register_buffer("a", sparse)
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a @ self.lin(x)).tanh().sum()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+def test_a_module_with_a_sparse_buffer_through_a_recompute(tmap_kwargs, layout):
+    """A recompute checks the buffers of f's modules it may have updated: a sparse one is
+    compared by its parts (``torch.equal`` has no sparse kernel: the backward raised), and the
+    gradients are the loop's."""
+    model = _SparseBuffer(layout)
+    xs = [torch.randn(4, dtype=torch.float64, requires_grad=True) for _ in range(5)]
+    params = list(model.parameters())
+    want = torch.autograd.grad(sum((i + 1) * model(x) for i, x in enumerate(xs)), params + xs)
+    got = _grads(model, xs, params, remat=True, **tmap_kwargs)
+    torch.testing.assert_close(got, want)
+    assert model.a.layout == layout and model.a._version == 0
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_jagged_nested_results_get_the_loops_gradients(tmap_kwargs, remat):
+    """f returns a jagged nested tensor: a recompute makes new offsets, whose ragged size is
+    another nested int, and both the recompute's check and the engine (given the cotangent of
+    the result the user holds) refused it (NOTE [jagged results' nested ints])."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nested.as_nested_tensor([x[:2] * w[:2], (x * w).sin()], layout=torch.jagged)
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(5)]
+
+    def loss(ys: list[torch.Tensor]) -> torch.Tensor:
+        return sum((i + 1) * (y.values() ** 2).sum() for i, y in enumerate(ys))
+
+    want = torch.autograd.grad(loss([f(x) for x in xs]), w)
+    ys = gradmap.tmap(f, xs, remat=remat, **tmap_kwargs)
+    torch.testing.assert_close(torch.autograd.grad(loss(ys), w), want)
+
+
+@pytest.mark.parametrize("how", ["remat", "create_graph"])
+def test_a_recompute_that_gives_other_values_names_the_element_and_the_difference(tmap_kwargs, how):
+    """f gives other values when run again (here: a count of its calls; a library call that is
+    not bitwise deterministic, such as lstsq's default driver): the error names the element,
+    the result's leaf, the largest difference and where, the likely causes and the fixes."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    calls = dict.fromkeys(range(4), 0)
+
+    def f(i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[i] += 1
+        bump = torch.tensor([0.0, 1e-3, 0.0], dtype=torch.float64) * (i == 2 and calls[i] > 1)
+        return (x * w).sum(), (x * w).tanh() + bump
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    ys = gradmap.tmap(f, range(4), xs, remat=how == "remat", **tmap_kwargs)
+    loss = sum(a + b.sum() for a, b in ys)
+    with pytest.raises(RuntimeError) as caught:
+        torch.autograd.grad(loss, w, create_graph=how == "create_graph")
+    text = str(caught.value)
+    assert "element 2 (of 4), its result's leaf 1" in text, text
+    assert "largest absolute difference is 0.001, at index [1]" in text, text
+    for told in ("not bitwise deterministic", "not safe on threads", "remat=False"):
+        assert told in text, text
+    assert "executor='serial' or executor='processes'" in text, text
+
+
 @pytest.mark.parametrize("uses", ["module", "global"])
 @pytest.mark.parametrize("how", ["remat", "create_graph"])
 def test_an_f_that_writes_grad_itself_is_not_run_again(tmap_kwargs, how, uses):

@@ -927,6 +927,7 @@ def test_the_remembered_submodule_lookup_answers_as_cloudpickles_own() -> None:
     from gradmap._remote import _pickling
 
     own = cloudpickle.cloudpickle._find_imported_submodules
+    own_state = cloudpickle.cloudpickle._function_getstate
     names = {}
     code = compile("torch.nn.functional.relu(x) + torch.linalg.norm(x) + os.path.sep", "f", "exec")
     gone = types.ModuleType("gradmap_test_submodule_parent")
@@ -951,6 +952,7 @@ def test_the_remembered_submodule_lookup_answers_as_cloudpickles_own() -> None:
     table = _pickling.TensorTable()
     _pickling.dumps(lambda x: torch.nn.functional.relu(x), table, share=True)
     assert cloudpickle.cloudpickle._find_imported_submodules is own
+    assert cloudpickle.cloudpickle._function_getstate is own_state
 
 
 @pytest.mark.parametrize(

@@ -49,9 +49,11 @@ from .._torch._graph import Boundary, Known, modules_of, tensors_in, tensors_of
 from .._torch._random import SEEDING, MapRandom
 from .._torch._state import ThreadState
 from .._tree import flatten, unflatten
+from ._filters import caller_filters, take_filters
 from ._kept import KeptItems, KeptOnHost
 from ._pickling import AsIs, LeafResult, LeafTable, dumps_results, loads
 from ._settings import Setting, check_settings
+from ._where import pyro_param_name, where_held
 
 __all__ = ["LOST", "CallSpec", "ForeignTensorError", "Host", "draw_base", "in_worker"]
 
@@ -135,6 +137,8 @@ class CallSpec:
         api: ``"gradmap.tmap"`` or ``"gradmap.tsum"``, for errors.
         settings: the module settings ``f`` reads, as the caller sees them (NOTE [settings a
             worker imports anew]).
+        warnings: the caller's warnings filters, ``(digest, payload)`` (NOTE [the caller's
+            warnings filters] in ``_filters``).
     """
 
     n: int
@@ -147,16 +151,18 @@ class CallSpec:
     settings: tuple[Setting, ...] = ()
     anomaly: tuple[bool, bool] | None = None  # (None: off, PyTorch's default)
     deterministic: tuple[bool, bool] | None = None  # (None: off)
+    warnings: tuple[bytes, bytes] | None = None  # (None: no filter pickles)
 
 
 def process_wide() -> dict[str, Any]:
-    """The caller's process-wide PyTorch settings that a worker process takes for a call: the
-    default dtype, anomaly mode, deterministic algorithms (``CallSpec``'s fields)."""
+    """The caller's process-wide settings that a worker process takes for a call: the default
+    dtype, anomaly mode, deterministic algorithms, warnings filters (``CallSpec``'s fields)."""
     anomaly, deterministic = _anomaly(), _deterministic()
     return {  # (the defaults as None: a call's every message carries them)
         "default_dtype": torch.get_default_dtype(),
         "anomaly": None if anomaly == _ANOMALY_OFF else anomaly,
         "deterministic": None if deterministic == _DETERMINISTIC_OFF else deterministic,
+        "warnings": caller_filters(),
     }
 
 
@@ -177,7 +183,10 @@ def _deterministic() -> tuple[bool, bool]:
 
 def _process_wide(spec: CallSpec) -> AbstractContextManager[None]:
     """Within it, the process runs with ``spec``'s process-wide settings (the caller's: in the
-    caller's own process, they are already)."""
+    caller's own process, they are already). A worker process takes the caller's warnings
+    filters, and keeps them (NOTE [the caller's warnings filters])."""
+    if _in_worker:
+        take_filters(spec.warnings)
     anomaly = spec.anomaly or _ANOMALY_OFF
     deterministic = spec.deterministic or _DETERMINISTIC_OFF
     if (
@@ -848,9 +857,26 @@ def _refs_of_a_leaf_let_go(known: Known) -> int:
 
 
 def _foreign(state: _CallState, t: Tensor) -> ForeignTensorError:
-    return ForeignTensorError(
+    """The error for a tensor ``f`` used that did not come from the caller, saying where the
+    worker holds it where that can be found (NOTE [where a foreign tensor lives])."""
+    head = (
         f"{state.api}: f used a tensor that requires grad but did not come from the caller "
-        f"(shape {tuple(t.shape)}): the worker's own copy of a module global, a tensor f cached "
+        f"(shape {tuple(t.shape)}"
+    )
+    param = pyro_param_name(t)
+    if param is not None:
+        return ForeignTensorError(
+            f"{head}): pyro's param store's parameter {param!r} (pyro.param). pyro's param "
+            "store is one per process: each worker has its own, whose gradients never reach "
+            "the caller's. Pass the parameters into f explicitly (as a closure or items), or "
+            "hold them as pyro.nn.PyroModule parameters of a module f refers to, or use "
+            "executor='serial' (not threads: pyro's param store is one for all of them, and "
+            "not safe to share)."
+        )
+    held = where_held(t, state.f)
+    where = "" if held is None else f", held by the worker at {held}"
+    return ForeignTensorError(
+        f"{head}{where}): the worker's own copy of a module global, a tensor f cached "
         "on the worker, or a leaf f made and kept (an item made to require grad in place, "
         "x.requires_grad_(), whose .grad the loop fills in your process). Only tensors "
         "reachable from f and the items travel (cloudpickle pickles functions of importable "

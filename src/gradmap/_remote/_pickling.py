@@ -303,7 +303,13 @@ class LeafResult:
 #     as long as ``sys.modules`` keeps its size (an import adds to it; a module replaced in
 #     place would leave an import out of the list, which the worker's own imports of the
 #     package make anyway). Other pickling in the process gets the same answers.
+#     cloudpickle counts a name as a submodule when the code names it anywhere, and a global of
+#     that name (``ops``, a ModuleDict, beside ``import torch``) then brought ``torch.ops``,
+#     which does not pickle; so a submodule whose path names a global of ``f`` bound to
+#     something else is left out (``_function_getstate``, which has ``f``'s globals).
 _find_submodules = getattr(cloudpickle.cloudpickle, "_find_imported_submodules", None)
+_function_getstate = getattr(cloudpickle.cloudpickle, "_function_getstate", None)
+_MISSING = object()
 _submodules: dict[Any, list[Any]] = {}
 _submodules_lock = threading.Lock()
 _submodules_users = 0
@@ -325,6 +331,30 @@ def _remembered_submodules(code: Any, top_level_dependencies: Any) -> list[Any]:
     return list(found)
 
 
+def _function_state(func: Any) -> Any:
+    """cloudpickle's state of ``func``, without the submodules that are not the modules ``func``'s
+    globals of their names are bound to (NOTE [the submodules a function names])."""
+    assert _function_getstate is not None
+    state, slotstate = _function_getstate(func)
+    found = slotstate.get("_cloudpickle_submodules")
+    if found:
+        slotstate["_cloudpickle_submodules"] = [
+            m for m in found if _named_as_module(m.__name__, func.__globals__)
+        ]
+    return state, slotstate
+
+
+def _named_as_module(name: str, scope: dict[str, Any]) -> bool:
+    """Whether each part of module path ``name`` past the package, as a global in ``scope``,
+    is missing or that module itself."""
+    parts = name.split(".")
+    for k in range(1, len(parts)):
+        bound = scope.get(parts[k], _MISSING)
+        if bound is not _MISSING and bound is not sys.modules.get(".".join(parts[: k + 1])):
+            return False
+    return True
+
+
 @contextmanager
 def _submodules_remembered() -> Iterator[None]:
     """cloudpickle's submodule lookup remembered while gradmap pickles (NOTE [the submodules a
@@ -336,6 +366,8 @@ def _submodules_remembered() -> Iterator[None]:
     with _submodules_lock:
         _submodules_users += 1
         cloudpickle.cloudpickle._find_imported_submodules = _remembered_submodules
+        if _function_getstate is not None:
+            cloudpickle.cloudpickle._function_getstate = _function_state
     try:
         yield
     finally:
@@ -343,6 +375,8 @@ def _submodules_remembered() -> Iterator[None]:
             _submodules_users -= 1
             if not _submodules_users:
                 cloudpickle.cloudpickle._find_imported_submodules = _find_submodules
+                if _function_getstate is not None:
+                    cloudpickle.cloudpickle._function_getstate = _function_getstate
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]

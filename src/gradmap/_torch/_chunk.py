@@ -576,7 +576,7 @@ def pull_back(
                 if nonzero[e]:
                     live.append(e)
                     outs.append(t)
-                    grads.append(g)
+                    grads.append(g if type(g) is Tensor else _tied(g, t))
                 else:
                     zeros.append(t)
     else:
@@ -587,8 +587,9 @@ def pull_back(
                 if g is not None:
                     if nonzero[o]:
                         had = True
-                        outs.append(record.outputs[o])
-                        grads.append(g)
+                        t = record.outputs[o]
+                        outs.append(t)
+                        grads.append(g if type(g) is Tensor else _tied(g, t))
                     else:
                         zeros.append(record.outputs[o])
             if had:
@@ -820,7 +821,7 @@ def _pull_back_one(
     pairs = [(record.outputs[o], cotangents[o]) for o in range(*el.outputs)]
     pairs = [(t, g) for t, g in pairs if g is not None]
     outs = [t for t, _ in pairs]
-    grads: list[Tensor] = [g for _, g in pairs if g is not None]
+    grads: list[Tensor] = [_tied(g, t) for t, g in pairs if g is not None]
     _grad(outs, inputs, grads, create_graph=False, owner=owner)
 
 
@@ -839,26 +840,36 @@ def _pull_back_fresh(
     """Recompute the live elements (with a graph) and pull back through the fresh graph, mapping
     its boundary onto the stored record's (``wanted`` entries only)."""
 
-    def same(fresh: ChunkRecord, which: list[int]) -> bool:
+    def differs(fresh: ChunkRecord, which: list[int]) -> str | None:
+        """``None`` if the recompute gave the forward's results; else where it did not."""
+        if len(fresh.elements) != len(which):
+            return f" Here it gave {len(fresh.elements)} elements for {len(which)}."
         for e, new in zip(which, fresh.elements):
             el = record.elements[e]
             if new.outputs[1] - new.outputs[0] != el.outputs[1] - el.outputs[0]:
-                return False
+                return (
+                    f" Here element {el.index} (of {n}) gave {new.outputs[1] - new.outputs[0]} "
+                    f"differentiable result leaves, against {el.outputs[1] - el.outputs[0]} in "
+                    "its forward."
+                )
             for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
                 a, b = fresh.outputs[o_new], record.outputs[o]
                 if a._version != b._version:
                     continue  # the user changed the result in place since: not comparable
                 if not _equal_values(a.detach(), b.detach()):
-                    return False
-        return len(fresh.elements) == len(which)
+                    leaf = el.diff[o - el.outputs[0]]
+                    where = _difference(a.detach(), b.detach())
+                    return f" Here element {el.index} (of {n}), its result's leaf {leaf}: {where}"
+        return None
 
     def run(which: list[int]) -> list[Tensor | None]:
         indices = [record.elements[e].index for e in which]
         fresh = recompute(indices, False)
-        if not same(fresh, which):
+        if differs(fresh, which) is not None:
             fresh = recompute(indices, True)  # f drew random numbers after all: replay them
-            if not same(fresh, which):
-                _not_deterministic(api)
+            detail = differs(fresh, which)
+            if detail is not None:
+                _not_deterministic(api, detail + _OTHER_VALUES)
         outs: list[Tensor] = []
         grads: list[Tensor] = []
         for e, new in zip(which, fresh.elements):
@@ -866,8 +877,9 @@ def _pull_back_fresh(
             for o, o_new in zip(range(*el.outputs), range(*new.outputs)):
                 g = cotangents[o]
                 if g is not None:
-                    outs.append(fresh.outputs[o_new])
-                    grads.append(g)
+                    t = fresh.outputs[o_new]
+                    outs.append(t)
+                    grads.append(_tied(g, t))
         where = {key: k for k, key in enumerate(record.boundary.keys)}
         result: list[Tensor | None] = [None] * len(record.boundary.keys)
         places: list[int | None] = []
@@ -970,14 +982,104 @@ def _made_anew(
     return None
 
 
+def _tied(g: Tensor, t: Tensor) -> Tensor:
+    """Cotangent ``g`` of output ``t``, on ``t``'s ragged structure when both are jagged.
+
+    NOTE [jagged results' nested ints]:
+        A jagged nested tensor's ragged size is a nested int (``j1``) bound to its offsets
+        tensor object, and the engine refuses a cotangent whose shape names another one. The
+        cotangent of a result is shaped like the tensor the user holds, and that is not always
+        the tensor pulled back: a recompute (``remat``, ``create_graph``) makes new offsets,
+        and on processes the result and its cotangent each cross a pickle, whose offsets are
+        new ones. The values are the same (the recompute checks them, offsets included:
+        ``_equal_values``), so the cotangent's values are put on ``t``'s offsets; a cotangent
+        whose offsets hold other values is left alone (the engine names the mismatch).
+    """
+    a: Any = g  # (NestedTensor's methods)
+    b: Any = t
+    if (
+        a.layout != torch.jagged
+        or b.layout != torch.jagged
+        or a.shape == b.shape
+        or a.dim() != b.dim()
+        or a._ragged_idx != b._ragged_idx
+        or a.lengths() is not None
+        or b.lengths() is not None
+        or not _same_parts(a.offsets(), b.offsets())
+    ):
+        return g
+    return torch.nested.nested_tensor_from_jagged(a.values(), b.offsets(), jagged_dim=b._ragged_idx)
+
+
 def _equal_values(a: Tensor, b: Tensor) -> bool:
     """Whether two results of one element hold the same values (NaN equal to NaN), whatever
-    their layout (sparse results compared dense: ``torch.equal`` takes strided tensors only)."""
+    their layout (sparse results compared dense: ``torch.equal`` takes strided tensors only;
+    jagged ones by their offsets and values: their ragged sizes are new nested ints, NOTE
+    [jagged results' nested ints])."""
+    if a.layout == torch.jagged and b.layout == torch.jagged:
+        return _equal_jagged(a, b)
     if a.shape != b.shape or a.layout != b.layout or a.dtype != b.dtype:
         return False
     if a.layout != torch.strided:
         a, b = a.to_dense(), b.to_dense()
     return torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _equal_jagged(a: Any, b: Any) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.dim() == b.dim()
+        and a._ragged_idx == b._ragged_idx
+        and (a.lengths() is None) == (b.lengths() is None)
+        and _same_parts(a.offsets(), b.offsets())
+        and (a.lengths() is None or _same_parts(a.lengths(), b.lengths()))
+        and _equal_values(a.values(), b.values())
+    )
+
+
+def _difference(fresh: Tensor, stored: Tensor) -> str:
+    """Where a recomputed result differs from its forward's: its largest absolute difference
+    and the index of it, or the shapes (dtypes, layouts) that differ."""
+    if fresh.layout == torch.jagged and stored.layout == torch.jagged:
+        a: Any = fresh
+        b: Any = stored
+        if not _same_parts(a.offsets(), b.offsets()):
+            return "its ragged sizes (offsets) differ."
+        return _difference(a.values(), b.values()) + " (of the jagged values)"
+    if fresh.shape != stored.shape or fresh.dtype != stored.dtype or fresh.layout != stored.layout:
+        return (
+            f"shape {tuple(fresh.shape)}, {fresh.dtype}, {fresh.layout}, against "
+            f"{tuple(stored.shape)}, {stored.dtype}, {stored.layout} in its forward."
+        )
+    if fresh.layout != torch.strided:
+        fresh, stored = fresh.to_dense(), stored.to_dense()
+    wide = torch.complex128 if fresh.is_complex() else torch.float64
+    x, y = fresh.to(wide), stored.to(wide)
+    gap = (x - y).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+    gap[(x == y) | (x.isnan() & y.isnan())] = 0  # (inf == inf; NaN equal to NaN)
+    flat = int(gap.argmax()) if gap.numel() else 0
+    at = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), gap.shape))
+    index = f", at index {list(at)}" if at else ""
+    return (
+        f"the largest absolute difference is {float(gap.flatten()[flat]):.3g}{index} "
+        f"({fresh.flatten()[flat].item()} recomputed, {stored.flatten()[flat].item()} in its "
+        "forward)."
+    )
+
+
+_OTHER_VALUES = (
+    " So f (or a library it calls) gave other values when run again: what it reads changed "
+    "(through .data, or a global set meanwhile), a library call is not bitwise deterministic "
+    "run to run (torch.linalg.lstsq's default CPU driver, gelsy, is one), or a library keeps "
+    "process-wide state which another thread changed meanwhile (not safe on threads). Fix: "
+    "remat=False (and no create_graph=True backward); a deterministic driver or algorithm "
+    "(for lstsq, driver='gelsd'; torch.use_deterministic_algorithms(True)); executor='serial' "
+    "or executor='processes' for a library that is not thread-safe."
+)
+
+
+def _same_parts(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
 
 
 def _not_deterministic(api: str, detail: str = "") -> NoReturn:

@@ -646,8 +646,40 @@ def buffers_kept(f: Any) -> Iterator[None]:
         # running statistics, would then refuse them as modified in place.
         with torch.no_grad():
             for b, version, value in saved:
-                if b._version != version or not torch.equal(b, value):
+                if b._version != version or not _same_values(b, value):
                     b.copy_(value)
+
+
+#: The index tensors of each compressed sparse layout, compressed then plain.
+_COMPRESSED = {
+    torch.sparse_csr: ("crow_indices", "col_indices"),
+    torch.sparse_bsr: ("crow_indices", "col_indices"),
+    torch.sparse_csc: ("ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices"),
+}
+
+
+def _same_values(b: Tensor, value: Tensor) -> bool:
+    """Whether buffer ``b`` still holds ``value`` (its clone): ``torch.equal`` has strided
+    kernels only, so a sparse buffer (cvxpylayers' ``CvxpyLayer`` holds one) compares its parts,
+    never densified (an adjacency matrix's dense form may not fit); other layouts (nested
+    tensors) count as kept unless their version moved."""
+    if b.layout == torch.strided:
+        return torch.equal(b, value)
+    if b.shape != value.shape or b.layout != value.layout:
+        return False
+    if b.layout == torch.sparse_coo:
+        parts = [(t._indices(), t._values()) for t in (b, value)]
+        return b.is_coalesced() == value.is_coalesced() and _all_equal(*parts)
+    names = _COMPRESSED.get(b.layout)
+    if names is None:
+        return True
+    parts = [(*(getattr(t, name)() for name in names), t.values()) for t in (b, value)]
+    return _all_equal(*parts)
+
+
+def _all_equal(a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> bool:
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _collect(

@@ -249,8 +249,10 @@ class MapGraph(JoinGraph):
     def early_fits(self) -> bool:
         """Whether a gradient of every join input stays within ``EARLY_BYTES`` (NOTE [tmap's
         losses pulled back early]): the early chunks' gradients are added up as they come, one
-        sum per tensor kept to the backward (NOTE [gradients added as they come])."""
-        return sum(t.nbytes for t in self.layout.inputs) <= EARLY_BYTES
+        sum per tensor kept to the backward (NOTE [gradients added as they come]). A tensor's
+        size is its dense gradient's, the most a gradient of it (of any layout: a sparse one's
+        sum over elements grows with them, uncoalesced) holds; ``nbytes`` has no sparse value."""
+        return sum(t.numel() * t.element_size() for t in self.layout.inputs) <= EARLY_BYTES
 
     def chunk_spent(self, k: int) -> bool:
         """Whether backwards that free the graph went through all of chunk ``k``'s results."""
