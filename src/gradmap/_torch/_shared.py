@@ -50,7 +50,7 @@ _TORCH_OWN = (
     "torch.compiler",
 )
 #: A call into these stops the watch for the rest of the element: a compilation (``torch.compile``
-#: compiles in the thread of the call) makes millions of calls, each of them an event.
+#: compiles in the thread of the call) makes a great many calls, each of them an event.
 _COMPILER = ("torch._dynamo", "torch._inductor")
 
 
