@@ -99,6 +99,38 @@ def test_backward_error_names_element(tmap_kwargs, bad):
     assert "backward" in notes(info.value)
 
 
+class _FailingBackwardOf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, i):
+        ctx.i = i
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise Boom(f"backward of element {ctx.i}")
+
+
+@pytest.mark.parametrize("chunksize", [None, 1, 12])
+def test_backward_errors_of_several_elements_raise_the_loops(tmap_kwargs, chunksize):
+    """NOTE [the error of the loop's element]: the loop's backward runs the elements made last
+    first, so its error is the last failing element's (threads raised the first's)."""
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+
+    def f(i: int) -> torch.Tensor:
+        y = w * i
+        if i in (3, 10):
+            y = _FailingBackwardOf.apply(y, i)
+        return y.sum()
+
+    with pytest.raises(Boom) as loop:
+        torch.stack([f(i) for i in range(12)]).sum().backward()
+    ys = gradmap.tmap(f, range(12), **{**tmap_kwargs, "chunksize": chunksize})
+    with pytest.raises(Boom) as info:
+        torch.stack(ys).sum().backward()
+    assert str(info.value) == str(loop.value) == "backward of element 10"
+    assert "backward pass of element 10 (of 12)" in notes(info.value)
+
+
 def test_pool_usable_after_errors(tmap_kwargs):
     w = torch.ones(3, requires_grad=True)
     for _ in range(3):

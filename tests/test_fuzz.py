@@ -10,9 +10,15 @@ executor, chunks, ``remat``, ``.backward()`` or ``autograd.grad`` on a subset, a
 The loop and gradmap run the same program on fresh copies of the same values; values, gradients
 and which gradients are ``None`` must agree (float64, up to summation order).
 
+Some programs raise, in the forward or in the backward of the elements whose item sums past a
+drawn threshold (each with a type of its own): gradmap must raise the loop's error, the same
+type and message, or none where the loop raises none (a backward that needs no such element).
+
 A few seconds in CI; ``GRADMAP_FUZZ=N`` runs N cases per executor (a quarter of that on
-processes): ``GRADMAP_FUZZ=2000 pytest -m fuzz``. ``GRADMAP_FUZZ_PROCESSES=N`` sets the cases on
-processes instead, and ``GRADMAP_FUZZ_REMAT`` the share of cases with ``remat`` (default 0.3).
+processes, or the share ``GRADMAP_FUZZ_PROCESSES``): ``GRADMAP_FUZZ=2000 pytest -m fuzz``.
+``GRADMAP_FUZZ_CASE=K`` runs only case K of each executor's sequence (to replay one),
+``GRADMAP_FUZZ_ERRORS=P`` draws raising programs with probability P (0.3), and
+``GRADMAP_FUZZ_REMAT`` sets the share of cases with ``remat`` (0.3).
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ pytestmark = pytest.mark.usefixtures("both_walks")
 
 F64 = torch.float64
 CASES = int(os.environ.get("GRADMAP_FUZZ", "40"))
-PROCESS_CASES = int(os.environ.get("GRADMAP_FUZZ_PROCESSES", str(max(1, CASES // 4))))
+PROCESSES_SHARE = float(os.environ.get("GRADMAP_FUZZ_PROCESSES", "0.25"))
+ONLY_CASE = os.environ.get("GRADMAP_FUZZ_CASE")
+ERRORS = float(os.environ.get("GRADMAP_FUZZ_ERRORS", "0.3"))
 REMAT = float(os.environ.get("GRADMAP_FUZZ_REMAT", "0.3"))
 EXECUTORS = ["serial", "threads", "processes"]
 
@@ -68,6 +76,31 @@ class Clip(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return g.clamp(-0.05, 0.05) + 0.01
+
+
+#: The exceptions the raising programs raise, by the element's draw.
+DRAWN_ERRORS = (IndexError, ValueError, KeyError)
+
+
+def _drawn_error(x: torch.Tensor, where: str) -> Exception:
+    """The error of the element whose item is ``x``: its type and message from the item's sum
+    (the same bits in the loop and in gradmap)."""
+    total = float(x.detach().sum())
+    kind = DRAWN_ERRORS[int(abs(total) * 1000) % len(DRAWN_ERRORS)]
+    return kind(f"drawn failure in the {where} of the element of sum {total:.12f}")
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """The identity, whose backward raises the element's drawn error."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.error = _drawn_error(x, "backward")
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        raise ctx.error
 
 
 def _clip_hook(g: torch.Tensor) -> torch.Tensor:
@@ -132,6 +165,10 @@ def body(
 ) -> Any:
     """The drawn element function, given what it reads."""
     p0 = params[0]
+    fail = program.get("fail")
+    failing = fail is not None and float(x.detach().sum()) > fail["above"]
+    if failing and fail["where"] == "forward":
+        raise _drawn_error(x, "forward")
     h = torch.tanh(x * p0)  # (rows, 3)
     for op in program["ops"]:
         if op == "pre" and pre is not None:
@@ -165,6 +202,8 @@ def body(
         elif op == "hook" and h.requires_grad:
             h = h * 1.0
             h.register_hook(_clip_hook)
+    if failing and fail["where"] == "backward" and h.requires_grad:
+        h = RaiseInBackward.apply(h, x)
     loss = (h * h).mean()
     out = program["out"]
     if out == "scalar":
@@ -339,12 +378,22 @@ def test_random_programs_give_the_loops_values_and_gradients(executor: str) -> N
     if executor == "processes":  # the workers cannot import this test module
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
     rng = random.Random(f"gradmap-fuzz-{executor}")
-    cases = PROCESS_CASES if executor == "processes" else CASES
+    cases = max(1, int(CASES * PROCESSES_SHARE)) if executor == "processes" else CASES
     for case in range(cases):
         program = draw(rng, executor)
         seed = rng.randrange(1 << 30)
+        # (drawn apart, so that the other programs are drawn as ever)
+        errors = random.Random(f"{seed}-errors")
+        if errors.random() < ERRORS:
+            where = errors.choice(["forward", "backward"])
+            program["fail"] = {"where": where, "above": errors.uniform(0.0, 3.0)}
+        if ONLY_CASE is not None and case != int(ONLY_CASE):
+            continue
+        want_error: Exception | None = None
         try:
             want_values, want_grads = run(program, seed, mapped=False)
+        except DRAWN_ERRORS as exc:
+            want_error = exc
         except RuntimeError:
             continue  # the loop itself refuses the program (as gradmap then may too)
         try:
@@ -354,6 +403,18 @@ def test_random_programs_give_the_loops_values_and_gradients(executor: str) -> N
                 if not native_walk() and "Python walk cannot find it" in str(exc):
                     continue  # the fallback walk says it cannot, and stops: never a guess
                 raise
+            except DRAWN_ERRORS as exc:
+                if want_error is None and not native_walk() and "backward" in str(exc):
+                    # The Python walk cannot tell which inputs a backward needs, and pulls
+                    # back every element (``_graph.needed``).
+                    continue
+                if want_error is None:
+                    raise
+                assert (type(exc), str(exc)) == (type(want_error), str(want_error)), (
+                    f"gradmap raised {exc!r}, the loop {want_error!r}"
+                )
+                continue
+            assert want_error is None, f"gradmap raised nothing, the loop {want_error!r}"
             _compare(got_values, want_values, "value")
             _compare(got_grads, want_grads, "gradient")
         except BaseException as exc:

@@ -15,6 +15,7 @@ and Ray (2 CPUs, so 2 actors) is started once, skipped where it is not installed
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -555,6 +556,105 @@ def test_exception_in_backward_names_the_element(remote, ex, api):
     del info  # the traceback's frames hold the graph
     remote.no_state_left()
     works(ex)
+
+
+def test_the_forward_raises_the_lowest_failing_elements_error_though_a_later_one_came_first(
+    remote, ex
+):
+    """NOTE [the error of the loop's element]: the caller's own host takes chunks from the end of
+    the queue, and element 15's ValueError came before the workers (busy with elements 0 and 1)
+    had started element 7's chunk: it was raised, where the loop raises element 7's IndexError."""
+
+    def f(i: int) -> torch.Tensor:
+        if i < 2:
+            time.sleep(0.3)
+        if i == 7:
+            raise IndexError("element 7 failed")
+        if i == 15:
+            raise ValueError("element 15 failed")
+        return torch.ones((), requires_grad=True) * i
+
+    for api in (gradmap.tmap, gradmap.tsum):
+        with pytest.raises(IndexError, match="element 7 failed") as info:
+            api(f, range(16), executor=ex, chunksize=1)
+        assert "element 7 (of 16)" in notes(info.value)
+        del info
+    remote.no_state_left()
+    works(ex)
+
+
+class _FailingBackwardOf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, i: int) -> torch.Tensor:
+        ctx.i = i
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        raise ArithmeticError(f"backward of element {ctx.i}")
+
+
+@pytest.mark.parametrize("chunksize", [1, 3])
+def test_backward_errors_of_several_elements_raise_the_loops(remote, ex, chunksize):
+    """The loop's backward runs the elements made last first: its error is element 10's (NOTE
+    [the error of the loop's element]); the map in other processes raised element 3's."""
+    xs = ragged(12)
+
+    def f(i: int, x: torch.Tensor) -> torch.Tensor:
+        return (_FailingBackwardOf.apply(x, i) if i in (3, 10) else x).sum()
+
+    with pytest.raises(ArithmeticError) as loop_error:
+        torch.stack(loop(f, range(12), xs)).sum().backward()
+    ys = gradmap.tmap(f, range(12), xs, executor=ex, chunksize=chunksize)
+    with pytest.raises(ArithmeticError) as info:
+        torch.stack(ys).sum().backward()
+    assert str(info.value) == str(loop_error.value) == "backward of element 10"
+    assert "backward pass of element 10 (of 12)" in notes(info.value)
+    del info, loop_error, ys
+    remote.no_state_left()
+
+
+class _Unreached(torch.autograd.Function):
+    """The identity, whose backward raises: the backward of an element the loop's never runs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the backward of an element that reaches no input asked for ran")
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("api", ["tmap", "tsum"])
+def test_a_backward_runs_no_element_that_reaches_none_of_its_inputs(remote, ex, api, remat):
+    """``autograd.grad(out, inputs=[a])``: the loop's engine runs no element whose results reach
+    none of ``a`` (as the threads' join prunes, ``MapGraph.wanted``); in other processes every
+    chunk was pulled back, and the backward of such an element raised where the loop's runs
+    none. Whole chunks (``chunksize=1``) and elements within a chunk (3)."""
+    if not native_walk():
+        pytest.skip("which inputs a backward needs comes from the native walk")
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(10)]
+
+    def f(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i % 3 == 0:
+            return _Unreached.apply(x * b).sum()  # reaches b only
+        return (x * a * b).sum() if i % 3 == 1 else (x * a).sum()
+
+    (want,) = torch.autograd.grad(torch.stack(loop(f, range(10), xs)).sum(), [a])
+    for chunksize in (1, 3):
+        if api == "tmap":
+            ys = gradmap.tmap(f, range(10), xs, executor=ex, chunksize=chunksize, remat=remat)
+            total = torch.stack(ys).sum()
+        else:
+            total = gradmap.tsum(f, range(10), xs, executor=ex, chunksize=chunksize, remat=remat)
+        (got,) = torch.autograd.grad(total, [a])
+        close(got, want)
+        del total
+    remote.no_state_left()
 
 
 # -- backward: twice, create_graph ------------------------------------------------------------

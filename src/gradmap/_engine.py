@@ -6,8 +6,10 @@ One pass is a [`ChunkRun`][]: a counter of chunks not yet claimed, the results, 
 failure. Helpers (and the caller, when it helps) claim chunks from the counter until none are
 left (see NOTE [caller helps, no deadlock] in ``_executors``). When a chunk fails, later chunks are
 no longer claimed and stop before their next element, while earlier ones run on, so that the
-error reported is the lowest element's, as in the loop; the caller waits for every chunk another
-thread is running, so nothing is left running or half-done when the error reaches it.
+error reported is the lowest element's, as in the loop; in a backward pass (``last_wins``) the
+other way round: the loop's backward runs the last element's first (NOTE [the error of the
+loop's element] in ``_remote/_schedule``). The caller waits for every chunk another thread is
+running, so nothing is left running or half-done when the error reaches it.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ class ChunkRun(Generic[T]):
     A chunk in progress should call ``stopped(k)`` between elements and return early when it says
     so: after a failure in chunk ``j``, chunks after ``j`` stop and are no longer claimed, while
     chunks before ``j`` run on (one of them may fail at a lower element, which is the one the loop
-    would have reported). An interrupt, or a failure in a reverse pass, stops everything.
+    would have reported). With ``last_wins`` (a backward pass; by default, a reverse one), the
+    other way round: chunks before ``j`` stop, chunks after it run on, and the highest failing
+    chunk's error is reported. An interrupt stops everything.
     """
 
     def __init__(
@@ -67,10 +71,12 @@ class ChunkRun(Generic[T]):
         order: Sequence[int],
         run_chunk: Callable[[int, ChunkRun[T]], T],
         on_done: Callable[[int], None] | None = None,
+        last_wins: bool | None = None,
     ) -> None:
         self._on_done = on_done
         self._order = order
-        self._reverse = len(order) > 1 and order[0] > order[-1]
+        reverse = len(order) > 1 and order[0] > order[-1]
+        self._last_wins = reverse if last_wins is None else last_wins
         self._run_chunk: Callable[[int, ChunkRun[T]], T] | None = run_chunk
         self._results: list[T | None] = [None] * len(order)
         self._failures: dict[int, BaseException] = {}
@@ -81,24 +87,31 @@ class ChunkRun(Generic[T]):
         self._done_by: dict[int, int] = {}
         self._done = 0
         self._halted = False
-        self._stop_after: int | None = None
+        self._failed: int | None = None  # the chunk whose failure is reported, so far
         self._cond = threading.Condition()
+
+    def _beyond(self, chunk: int) -> bool:
+        """Whether ``chunk`` is on the far side of the failure reported so far."""
+        failed = self._failed
+        if failed is None:
+            return False
+        return chunk < failed if self._last_wins else chunk > failed
 
     def stopped(self, chunk: int) -> bool:
         """Whether ``chunk`` should stop before its next element."""
-        return self._halted or (self._stop_after is not None and chunk > self._stop_after)
+        return self._halted or self._beyond(chunk)
 
     def _claim(self) -> int | None:
         me = threading.get_ident()
         with self._cond:
-            if self._halted or self._next >= len(self._order):
-                return None
-            chunk = self._order[self._next]
-            if self._stop_after is not None and chunk > self._stop_after:
-                return None
-            self._next += 1
-            self._claimed_by[me] = self._claimed_by.get(me, 0) + 1
-            return chunk
+            while not self._halted and self._next < len(self._order):
+                chunk = self._order[self._next]
+                self._next += 1
+                if self._beyond(chunk):
+                    continue
+                self._claimed_by[me] = self._claimed_by.get(me, 0) + 1
+                return chunk
+            return None
 
     def work(self, context: AbstractContextManager[object]) -> None:
         """Claim and run chunks until none are left; the body of every thread of the pass."""
@@ -129,16 +142,16 @@ class ChunkRun(Generic[T]):
                 # is done (or, after a failure, at each chunk, to count the others' claims),
                 # not at every chunk: each wake-up took the GIL from the thread running the
                 # next chunk (a forward in one pool thread: 39 ms against 31 in the caller's).
-                if self._done >= len(self._order) or self._halted or self._stop_after is not None:
+                if self._done >= len(self._order) or self._halted or self._failed is not None:
                     self._cond.notify_all()
 
     def _fail(self, chunk: int, exc: BaseException) -> None:
         with self._cond:
             self._failures.setdefault(chunk, exc)
-            if chunk < 0 or self._reverse or not isinstance(exc, Exception):
+            if chunk < 0 or not isinstance(exc, Exception):
                 self._halted = True
-            elif self._stop_after is None or chunk < self._stop_after:
-                self._stop_after = chunk
+            elif self._failed is None or not self._beyond(chunk):
+                self._failed = chunk
             self._cond.notify_all()
 
     def cancel(self) -> None:
@@ -154,7 +167,7 @@ class ChunkRun(Generic[T]):
         count = len(self._order)
         with self._cond:
             while True:
-                if self._halted or self._stop_after is not None:
+                if self._halted or self._failed is not None:
                     others = sum(
                         n - self._done_by.get(t, 0) for t, n in self._claimed_by.items() if t != me
                     )
@@ -173,9 +186,11 @@ class ChunkRun(Generic[T]):
         self._failures = {}
         if failures:
             # An interrupt or exit wins over ordinary errors; among those, the lowest chunk (and so
-            # the lowest element) is reported.
+            # the lowest element) is reported; with ``last_wins``, the highest.
             severe = [k for k, e in failures.items() if not isinstance(e, Exception)]
-            raise failures[min(severe) if severe else min(failures)]
+            if severe:
+                raise failures[min(severe)]
+            raise failures[max(failures) if self._last_wins else min(failures)]
         return results  # type: ignore[return-value]
 
 
@@ -187,6 +202,7 @@ def run_chunks(
     reverse: bool = False,
     context: ThreadContext = _no_context,
     on_done: Callable[[int], None] | None = None,
+    last_wins: bool | None = None,
 ) -> list[T]:
     """Run ``run_chunk(k, run)`` for every chunk ``k`` on ``executor`` and the caller's thread.
 
@@ -197,15 +213,18 @@ def run_chunks(
         reverse: claim chunks from the last to the first.
         context: the context each participating thread enters around its work.
         on_done: called with the index of each chunk that finished (for progress bars).
+        last_wins: the highest failing chunk's error is reported (a backward pass; ``None``:
+            with ``reverse``).
 
     Returns:
         The results, in chunk order (whatever order they ran in).
 
     Raises:
-        The first failure of a chunk, after every chunk that was running has stopped.
+        The lowest (``last_wins``: highest) failing chunk's error, after every chunk that was
+        running has stopped.
     """
     order: Sequence[int] = range(count - 1, -1, -1) if reverse else range(count)
-    run: ChunkRun[T] = ChunkRun(order, run_chunk, on_done)
+    run: ChunkRun[T] = ChunkRun(order, run_chunk, on_done, last_wins)
     helps = on_a_chunk() or executor.caller_works()
     helpers = min(executor.workers, count) - (1 if helps else 0)
     if getattr(_worker, "alone", False):

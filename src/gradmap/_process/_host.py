@@ -79,10 +79,16 @@ class ProcessHost(Host):
         return [*out, time.perf_counter() - start]
 
     def recompute(
-        self, call_id: str, box: Any, spec: CallSpec, chunks: list[Any], state: Any
+        self,
+        call_id: str,
+        box: Any,
+        spec: CallSpec,
+        chunks: list[Any],
+        state: Any,
+        wanted: list[int] | None = None,
     ) -> list:
         self._touch(box)
-        return super().recompute(call_id, box, spec, chunks, state)
+        return super().recompute(call_id, box, spec, chunks, state, wanted)
 
     # -- shared storages ----------------------------------------------------------------------
 

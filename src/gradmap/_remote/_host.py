@@ -35,6 +35,7 @@ from typing import Any, NoReturn, cast
 import torch
 
 from .._engine import on_a_chunk
+from .._errors import mark_place
 from .._join import fold_pairs
 from .._torch._chunk import (
     ACCUMULATE,
@@ -400,10 +401,14 @@ class Host:
         state = self._call(call_id, box, spec)
         try:
             out = []
-            for k, start, items in chunks:
-                out.append(run(state, k, start, items))
-                if state.own:
-                    _no_grads_written(state, start)
+            for place, (k, start, items) in enumerate(chunks):
+                try:
+                    out.append(run(state, k, start, items))
+                    if state.own:
+                        _no_grads_written(state, start)
+                except BaseException as exc:
+                    mark_place(exc, place)  # NOTE [the error of the loop's element]
+                    raise
             return out
         finally:
             self._drop_if_empty(call_id, state)
@@ -439,12 +444,15 @@ class Host:
         chunks: list[tuple[int, bytes, bool]],
         backward_state: ThreadState,
         folds: list[list[int]] | None = None,
+        wanted: list[int] | None = None,
     ) -> list:
         """Pull back kept chunks, each given as ``(chunk, cotangents, keep)`` (one cotangent per
         join output of the chunk); forget each chunk once pulled back unless ``keep``
         (``retain_graph``, or results of the chunk that no backward has gone through yet).
         ``folds``: the positions (among ``chunks``) of each group of the sum the call holds
         whole, whose gradients are sent added up (NOTE [chunk-order sum] in ``_join``).
+        ``wanted``: the pids the running backward needs (``None``: all); an element that reaches
+        none of them is not pulled back (``MapGraph.wanted`` in ``_torch/_map``).
 
         Returns:
             For each chunk, its pickled gradients, ``[(pid, gradient), ...]`` summed per pid
@@ -454,15 +462,19 @@ class Host:
         state = self._calls.get(call_id)
         out: list[Any] = []
         try:
-            for k, cotangents, keep in chunks:
+            for place, (k, cotangents, keep) in enumerate(chunks):
                 kept = None if state is None else state.chunks.get(k)
                 if state is None or kept is None:
                     out.append(LOST)
                     continue
                 self._check_threads()
-                cots = tuple(_cotangents(cotangents, state.leaves))
-                with backward_state.enter(False), _process_wide(state.spec):
-                    grads = _pull_back(kept.chunk, cots, state)
+                try:
+                    cots = tuple(_cotangents(cotangents, state.leaves))
+                    with backward_state.enter(False), _process_wide(state.spec):
+                        grads = _pull_back(kept.chunk, cots, state, _mask(kept.pids, wanted))
+                except BaseException as exc:
+                    mark_place(exc, place)  # NOTE [the error of the loop's element]
+                    raise
                 if not keep:
                     del state.chunks[k]
                 out.append(_by_pid(kept.pids, grads))
@@ -487,9 +499,11 @@ class Host:
         """``tsum``'s chunks, each given as ``(chunk, start, items)``: the forward, and for a
         chunk whose results are all 0-d (losses), its pullback with cotangent one at once
         (NOTE [tsum pulls back during the forward] in ``_torch/_sum``); such a chunk keeps
-        nothing. Any other chunk is kept as ``forward`` keeps it. ``folds``: the positions
-        (among ``chunks``) of each group of the sum the call holds whole: the gradients of its
-        chunks of losses are sent added up (NOTE [chunk-order sum] in ``_join``).
+        nothing. Any other chunk is kept as ``forward`` keeps it, and so is a chunk of losses
+        whose pullback failed (run again: the backward raises, where it needs the chunk).
+        ``folds``: the positions (among ``chunks``) of each group of the sum the call holds
+        whole: the gradients of its chunks of losses are sent added up (NOTE [chunk-order sum]
+        in ``_join``).
 
         Returns:
             For each chunk, the pickled ``("sum", total, [(pid, gradient), ...], drawn)`` of a
@@ -543,12 +557,12 @@ class Host:
                 grads = pull_back_sum(record, n=spec.n, owner=state, api=state.api)
                 if grads is ACCUMULATE:
                     _reentrant(state)
-                if grads is DEFERRED:  # it failed: run it again, to raise with the element named
-                    grads = _pull_back(
-                        _run(state, start, local),
-                        tuple(torch.ones_like(t) for t in record.outputs),
-                        state,
-                    )
+                if grads is DEFERRED:
+                    # It failed (and freed part of its graph): run again and kept, for the
+                    # backward to pull back, as on threads: the error is raised there, as in
+                    # the loop, and not where that backward does not need the chunk.
+                    record = _run(state, start, local)
+                    losses = False
         if not losses:
             state.chunks[k] = _Kept(record, _pids(state, record))
             pids = sorted(set(state.chunks[k].pids))
@@ -585,6 +599,7 @@ class Host:
         spec: CallSpec,
         chunks: list[tuple[int, Items, list[list[int]], bytes]],
         backward_state: ThreadState,
+        wanted: list[int] | None = None,
     ) -> list:
         """The stateless pullback of chunks, each given as ``(start, items, diff, cotangents)``:
         the chunk's forward again, then its backward.
@@ -595,15 +610,24 @@ class Host:
         have given (``f`` must be deterministic apart from its random numbers, which are
         replayed).
 
+        ``wanted``: as ``backward`` takes it.
+
         Returns:
             For each chunk, its pickled gradients, as ``backward`` returns them.
         """
         state = self._call(call_id, box, spec)
         try:
-            return [
-                self._recompute(state, start, items, diff, cotangents, backward_state)
-                for start, items, diff, cotangents in chunks
-            ]
+            out = []
+            for place, (start, items, diff, cotangents) in enumerate(chunks):
+                try:
+                    answer = self._recompute(
+                        state, start, items, diff, cotangents, backward_state, wanted
+                    )
+                except BaseException as exc:
+                    mark_place(exc, place)  # NOTE [the error of the loop's element]
+                    raise
+                out.append(answer)
+            return out
         finally:
             self._drop_if_empty(call_id, state)
 
@@ -615,6 +639,7 @@ class Host:
         diff: list[list[int]],
         cotangents: bytes,
         backward_state: ThreadState,
+        wanted: list[int] | None = None,
     ) -> bytes:
         spec = state.spec
         with self._loading():
@@ -634,7 +659,7 @@ class Host:
             given.get((e, pos)) for e, el in enumerate(fresh.elements) for pos in el.diff
         )
         with backward_state.enter(False), _process_wide(spec):
-            grads = _pull_back(fresh, aligned, state)
+            grads = _pull_back(fresh, aligned, state, _mask(pids, wanted))
         return self._out(_by_pid(pids, grads))
 
     def _loading(self) -> AbstractContextManager[object]:
@@ -745,8 +770,10 @@ def _run(state: _CallState, start: int, local: list[Any], *, graph: bool = True)
         torch.clear_autocast_cache()
 
 
-def _pull_back(record: ChunkRecord, cots: Any, state: _CallState) -> Any:
-    grads = pull_back(record, cots, n=state.spec.n, owner=state, api=state.api)
+def _pull_back(
+    record: ChunkRecord, cots: Any, state: _CallState, wanted: list[bool] | None = None
+) -> Any:
+    grads = pull_back(record, cots, n=state.spec.n, owner=state, api=state.api, wanted=wanted)
     if grads is ACCUMULATE:
         _reentrant(state)
     return grads
@@ -1038,6 +1065,14 @@ def leaf_results(values: list[Any], state: _CallState, element: int, each: bool 
                 )
             marker = seen[id(t)] = LeafResult.of(t, pid)
         values[j] = marker
+
+
+def _mask(pids: list[int], wanted: list[int] | None) -> list[bool] | None:
+    """Which of a chunk's boundary entries (their ``pids``) the running backward needs."""
+    if wanted is None:
+        return None
+    needed = set(wanted)
+    return [pid in needed for pid in pids]
 
 
 def _by_pid(pids: list[int], grads: list[Tensor | None] | None) -> list[tuple[int, Tensor]]:

@@ -31,7 +31,10 @@ NOTE [the map in other processes]:
       chunk, not per element, or one per group of the sum for a call that held the whole group
       (added up there, in the same order). The driver sums them per id in the fixed order of
       NOTE [chunk-order sum] (``_join``), so the gradients are bitwise the same for any number
-      of actors, any assignment of chunks and any run.
+      of actors, any assignment of chunks and any run. A backward that needs some join inputs
+      only (``autograd.grad(out, inputs=...)``) sends no chunk that reaches none of them, and
+      the hosts pull back no element that reaches none (``_Driver.wanted``), as the engine
+      prunes the loop's graph.
       ``retain_graph`` keeps the actors' graphs for another backward; otherwise they are released.
     - ``remat=True``: the forward keeps nothing on the actors; the backward runs each chunk's
       ``recompute`` (forward and pullback in one call, on whichever actor is free).
@@ -48,7 +51,7 @@ NOTE [the map in other processes]:
       chunk's sum as one output, and its backward adds the chunks' gradients up (a whole
       group's came added up) and scales the sum by the cotangent (NOTE [early gradients scaled
       once] in ``_torch/_sum``), with no call to the workers. Other chunks are kept as
-      ``tmap``'s.
+      ``tmap``'s, and so is a chunk of losses whose pullback failed (its backward raises).
     - A ``tmap`` of losses whose backward is learnt to give every result one cotangent (``sum``,
       ``mean``) is pulled back so too, its graphs kept for a backward that does not (NOTE
       [tmap's losses pulled back early] in ``_torch/_early``).
@@ -82,7 +85,7 @@ from .._progress import open_progress
 from .._request import MapRequest
 from .._torch._chunk import stack_small
 from .._torch._early import one_cotangent, scaled_sum, unscaled
-from .._torch._graph import batched, buffers_kept, caller_only, keep_graph
+from .._torch._graph import batched, buffers_kept, caller_only, keep_graph, needed
 from .._torch._map import map_torch
 from .._torch._node import JoinGraph, JoinNode
 from .._torch._state import ThreadState
@@ -124,6 +127,7 @@ class _Chunk:
     items: bytes | KeptItems | None = None  # pickled once, when first sent (``pack_items``)
     owner: int = -1  # the worker that ran its forward and keeps its graph (-1: none did)
     diff: list[list[int]] = field(default_factory=list)  # per element: its join outputs' leaves
+    pids: list[int] = field(default_factory=list)  # its boundary: the caller's tensors it used
     outputs: tuple[int, int] = (0, 0)  # its range among the join's outputs
     early: list[tuple[int, Tensor]] | None = None  # a tsum chunk of losses: its sum's gradients
     # a tmap chunk of losses: its gradients with cotangent one (NOTE [tmap's losses pulled
@@ -242,7 +246,17 @@ class _Driver(JoinGraph):
             )
         keep = keep_graph()
         self.spent.spend(cotangents, free=not keep)  # raises for results gone through before
-        return self.backward(cotangents, keep)
+        return self.backward(cotangents, keep, self.wanted(ctx))
+
+    def wanted(self, ctx: Any) -> list[int] | None:
+        """The pids of the join inputs the running backward needs (``None``: all): as on threads
+        (``MapGraph.wanted`` in ``_torch/_map``), a chunk that reaches none of them is not
+        pulled back, nor, within a chunk, an element that reaches none (the host masks its
+        boundary by them), as the engine prunes the loop's graph. ``ctx``: the join's."""
+        mask = needed(ctx, len(self.inputs))
+        if all(mask):
+            return None
+        return [pid for pid, want in zip(self.inputs, mask) if want]
 
     def one_cotangent(self, cotangents: tuple[Tensor | None, ...]) -> Tensor | None:
         """For a ``tmap`` whose chunks of losses were pulled back in the forward: the one
@@ -261,7 +275,7 @@ class _Driver(JoinGraph):
         size = sum(_bytes(self.table.tensors[pid]) for pid in self.inputs)
         return size * self.plan.count <= EARLY_BYTES
 
-    def _run(self, jobs: list[Job], submit: Any, on_result: Any) -> None:
+    def _run(self, jobs: list[Job], submit: Any, on_result: Any, backward: bool = False) -> None:
         run_pass(
             self.transport,
             jobs,
@@ -271,6 +285,7 @@ class _Driver(JoinGraph):
             restart_timeout=self.restart_timeout,
             describe=self._describe,
             group=self.plan.group,
+            last_wins=backward,  # NOTE [the error of the loop's element] in ``_schedule``
         )
 
     def folds(self, jobs: list[Job], worker: int, in_pass: Counter[int]) -> list[list[int]]:
@@ -341,12 +356,14 @@ class _Driver(JoinGraph):
                 _, total, grads, _drew = got
                 per_chunk[k] = (None, total)
                 self.chunks[k].early = grads
-                used.update(pid for pid, _ in grads)
+                self.chunks[k].pids = [pid for pid, _ in grads]
+                used.update(self.chunks[k].pids)
             elif got[0] == "early":  # NOTE [tmap's losses pulled back early] (``_torch/_early``)
                 _, trees, diff, pids, _drew, grads = got
                 per_chunk[k] = (trees, diff)
                 self.chunks[k].owner = self.held[k] = a
                 self.chunks[k].ones = grads
+                self.chunks[k].pids = pids
                 used.update(pids)
             else:
                 trees, diff, pids, _drew = got
@@ -354,6 +371,7 @@ class _Driver(JoinGraph):
                 self.chunks[k].owner = a
                 if self.spec.graph and not self.remat:  # the worker keeps the chunk
                     self.held[k] = a
+                self.chunks[k].pids = pids
                 used.update(pids)
             if bar is not None:
                 bar.update(len(range(*plan.bounds(k))))
@@ -368,8 +386,11 @@ class _Driver(JoinGraph):
         self.inputs = sorted(used)
         return per_chunk
 
-    def backward(self, cotangents: tuple[Tensor | None, ...], keep: bool) -> list[Any]:
-        """Pull every chunk back; the gradient of each join input (``None`` where none came)."""
+    def backward(
+        self, cotangents: tuple[Tensor | None, ...], keep: bool, wanted: list[int] | None = None
+    ) -> list[Any]:
+        """Pull every chunk back (``wanted``: only those that reach these pids, ``None``: all);
+        the gradient of each join input (``None`` where none came)."""
         plan = self.plan
         state = ThreadState(grad_enabled=False)
         payloads: dict[int, list[Any]] = {}
@@ -379,6 +400,7 @@ class _Driver(JoinGraph):
         jobs = []
         early_chunks: set[int] = set()
         scale = None
+        reached = None if wanted is None else set(wanted)
         one = self.one_cotangent(cotangents)  # NOTE [tmap's losses pulled back early]
         if one is not None:
             scale = None if unscaled(one, keep) else one
@@ -394,7 +416,9 @@ class _Driver(JoinGraph):
                     scale = None if unscaled(c, kept[k]) else c
                     per_chunk[k] = early
                     early_chunks.add(k)
-            elif any(g is not None for g in cotangents[lo:hi]):
+            elif any(g is not None for g in cotangents[lo:hi]) and (
+                reached is None or not reached.isdisjoint(record.pids)
+            ):
                 payloads[k] = list(cotangents[lo:hi])
                 jobs.append(Job(k, None if self.remat else record.owner, recompute=self.remat))
         bar = open_progress(self.progress, "backward", plan.n, self.api)
@@ -427,13 +451,13 @@ class _Driver(JoinGraph):
                     for k in (j.chunk for j in jobs)
                 ]
                 return self.transport.call(
-                    a, "recompute", self.id, self.box, self.spec, chunks, state
+                    a, "recompute", self.id, self.box, self.spec, chunks, state, wanted
                 )
             pulls = [
                 (j.chunk, self.cotangents_for(payloads[j.chunk], a), kept[j.chunk]) for j in jobs
             ]
             folds = self.folds(jobs, a, in_pass)
-            return self.transport.call(a, "backward", self.id, pulls, state, folds)
+            return self.transport.call(a, "backward", self.id, pulls, state, folds, wanted)
 
         def on_result(k: int, a: int, value: bytes) -> None:
             per_chunk[k] = loads_results(value)
@@ -453,7 +477,7 @@ class _Driver(JoinGraph):
             # kept graph updates none: a pass without recomputes takes nothing).
             with buffers:
                 if jobs:
-                    self._run(jobs, submit, on_result)
+                    self._run(jobs, submit, on_result, backward=True)
         finally:
             if bar is not None:
                 bar.close()

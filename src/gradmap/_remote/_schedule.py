@@ -38,9 +38,9 @@ NOTE [a pass over the actors]:
       more than needed is never wrong: a chunk's gradient comes from exactly one call). The lost
       actor gets no more work until a ping says it is back: while Ray restarts an actor, calls to
       it fail at once, and sending them would spend a chunk's attempts in milliseconds;
-    - an exception raised by ``f`` or its backward: no more chunks start, the calls in flight
-      finish, and the exception of the lowest batch is raised -- unwrapped from Ray's
-      ``RayTaskError``, as the same object ``f`` raised with its notes.
+    - an exception raised by ``f`` or its backward: the loop's element's is raised (NOTE [the
+      error of the loop's element]) -- unwrapped from Ray's ``RayTaskError``, as the same
+      object ``f`` raised with its notes.
     A chunk that loses its actor more than ``max_attempts`` times fails with a ``RuntimeError``, so
     does a pass whose actors are all lost for ``restart_timeout`` seconds, and with ``timeout``
     set, a pass in which no call finishes for that long fails with a ``TimeoutError``: never a
@@ -62,6 +62,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._errors import take_place
 from ._host import LOST
 
 __all__ = ["Job", "Transport", "WorkerLost", "run_pass"]
@@ -167,8 +168,22 @@ def run_pass(
     max_attempts: int = 3,
     describe: Callable[[int], str] = str,
     group: int = 1,
+    last_wins: bool = False,
 ) -> None:
     """Run ``jobs`` on ``actors`` actors; see NOTE [a pass over the actors].
+
+    NOTE [the error of the loop's element]:
+        Where several elements fail, the loop raises the error of the one it runs first: in the
+        forward the lowest element's, in a backward the highest's (the engine runs the nodes
+        made last first, so the last element's backward comes first; within a chunk,
+        ``_name_failing_element`` in ``_torch/_chunk`` takes them in that order too). So does
+        a pass: a host marks the exception with the place of the failing chunk in its call
+        (``mark_place``: the chunks after it in the call did not run, and go again), and once
+        a chunk failed, the chunks on the far side of it (after it in the forward, before it in
+        a backward, ``last_wins``) are no longer started, while the others still are, and the
+        calls in flight finish: one of them may fail on the near side, whose error is then the
+        loop's. (The caller's own host takes chunks from the end of the queue: its chunk could
+        fail before the workers had started the lower ones.)
 
     Arguments:
         transport: the workers (the actors).
@@ -180,9 +195,11 @@ def run_pass(
         max_attempts: lost actors one chunk may meet before the pass fails.
         describe: names a chunk in errors.
         group: chunks per group of the sum (``ChunkPlan.group``).
+        last_wins: a backward pass: the highest failing chunk's error is the loop's.
 
     Raises:
-        The first (lowest chunk's) exception of ``f``, or RuntimeError / TimeoutError.
+        The loop's element's exception (the lowest failing chunk's; the highest with
+        ``last_wins``), or RuntimeError / TimeoutError.
     """
     actors, depth, name = transport.workers, transport.depth, transport.name
     owned: list[deque[Job]] = [deque() for _ in range(actors)]
@@ -246,9 +263,26 @@ def run_pass(
             batch.append(queue.popleft())
         return batch
 
+    def winner() -> int:
+        return max(failures) if last_wins else min(failures)
+
+    def beyond(job: Job, stop: int) -> bool:
+        return job.chunk <= stop if last_wins else job.chunk >= stop
+
+    def drop_beyond() -> None:
+        # NOTE [the error of the loop's element]: no chunk on the far side of a failure starts.
+        stop = winner()
+        for queue in (free, *owned):
+            if any(beyond(job, stop) for job in queue):
+                kept = [job for job in queue if not beyond(job, stop)]
+                queue.clear()
+                queue.extend(kept)
+
     def fill() -> None:
+        if failures:
+            drop_beyond()
         progress = True
-        while progress and not failures:
+        while progress:
             progress = False
             share = max(1, sum(up))
             for a in range(actors):
@@ -282,7 +316,7 @@ def run_pass(
             ):
                 last = now  # nothing in flight, or a worker still starting: no call is late
             fill()
-            if not working() and (failures or not (free or any(owned))):
+            if not working() and not (free or any(owned)):
                 break
             if any(up):
                 down_since = now
@@ -318,7 +352,15 @@ def run_pass(
                         for job in batch:
                             requeue(job)
                     elif isinstance(exc, Exception):
-                        failures.setdefault(batch[0].chunk, exc)
+                        place = take_place(exc)
+                        if place is None or not 0 <= place < len(batch):
+                            place = 0
+                        failures.setdefault(batch[place].chunk, exc)
+                        # The chunks after it in the call did not run: they go again, if they
+                        # are on the near side of the failure (NOTE [the error of the loop's
+                        # element]).
+                        for job in reversed(batch[place + 1 :]):
+                            (free if job.owner is None else owned[job.owner]).appendleft(job)
                     else:
                         raise
                     continue
@@ -344,7 +386,7 @@ def run_pass(
                     transport.abandon(actor)
         raise
     if failures:
-        raise failures[min(failures)]
+        raise failures[winner()]
 
 
 #: Seconds between pings of a lost actor.

@@ -91,8 +91,10 @@ class MapCall:
         executor: Executor | None = None,
         reverse: bool = False,
         context: Callable[[bool], Any] | None = None,
+        last_wins: bool | None = None,
     ) -> list[Any]:
-        """One pass over the chunks, with the caller's state and an optional progress bar."""
+        """One pass over the chunks, with the caller's state and an optional progress bar
+        (``last_wins``: as ``run_chunks`` takes it, for a backward pass)."""
         plan = self.plan
         bar = open_progress(self.progress, phase, plan.n, self.api)
         on_done = None if bar is None else (lambda k: bar.update(len(range(*plan.bounds(k)))))
@@ -104,6 +106,7 @@ class MapCall:
                 reverse=reverse,
                 context=context or self.state.enter,
                 on_done=on_done,
+                last_wins=last_wins,
             )
         finally:
             if bar is not None:

@@ -1104,10 +1104,12 @@ def _name_failing_element(
     api: str,
     pull_back_one: Callable[[int], object] | None,
 ) -> None:
-    """Name the element whose backward raised ``exc``: the chunk's only live element, or the first
-    that raises when pulled back alone (that element's exception is raised instead)."""
+    """Name the element whose backward raised ``exc``: the chunk's only live element, or the last
+    that raises when pulled back alone (that element's exception is raised instead): the loop's
+    backward runs the elements made last first (NOTE [the error of the loop's element] in
+    ``_remote/_schedule``)."""
     if len(live) > 1 and pull_back_one is not None:
-        for e in live:
+        for e in reversed(live):
             try:
                 pull_back_one(e)
             except Exception as element_exc:

@@ -317,6 +317,7 @@ class MapGraph(JoinGraph):
                     executor=pullbacks,
                     reverse=call.executor.reverse_backward,
                     context=state.enter,
+                    last_wins=True,  # NOTE [the error of the loop's element] (``_schedule``)
                 )
         except BaseException as exc:
             summed.clear()
