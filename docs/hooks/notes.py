@@ -17,7 +17,7 @@ SRC = ROOT / "src" / "gradmap"
 MARKER = "<!-- NOTE INDEX -->"
 
 #: A NOTE's definition: the name opens the line (after a comment sign or a docstring's quotes).
-DEFINITION = re.compile(r'^\s*(?:#+\s*|//\s*|[rb]?"""\s*)?NOTE \[([^\]]+)\]:')
+DEFINITION = re.compile(r'^\s*(?:#+:?\s*|//\s*|[rb]?"""\s*)?NOTE \[([^\]]+)\]:')
 
 
 def slug(name: str) -> str:
