@@ -42,12 +42,22 @@ def main(source: str, target: str) -> None:
     import matplotlib.pyplot as plt
 
     with open(source) as f:
-        points, cores = sweeps(f.read())
+        text = f.read()
+    points, cores = sweeps(text)
+    torch = re.search(r"torch (\S+) \(intra-op", text)
+    date = re.search(r"^# (\d{4}-\d\d-\d\d)T", text, re.M)
     fig, ax = plt.subplots(figsize=(7.2, 5.0))
+    workloads = sorted({name.rsplit(" ", 1)[0] for name in points})
+    colors = {w: f"C{k}" for k, w in enumerate(workloads)}  # one colour per workload
     for name, series in sorted(points.items()):
+        workload, label = name.rsplit(" ", 1)
         workers, speedups = zip(*sorted(series), strict=True)
-        style = "--" if name.endswith("processes") else "-"
-        ax.plot(workers, speedups, marker="o", linestyle=style, label=name)
+        style = "--" if label == "processes" else "-"
+        ax.plot(workers, speedups, marker="o", linestyle=style, color=colors[workload])
+    for workload in workloads:
+        ax.plot([], [], color=colors[workload], label=workload)
+    ax.plot([], [], color="black", linestyle="-", label="threads")
+    ax.plot([], [], color="black", linestyle="--", label="processes")
     ax.plot([1, cores], [1, cores], linestyle=":", color="grey", label="linear")
     ax.axhline(1.0, linestyle="--", color="black", linewidth=0.8)
     ax.set_xlabel("workers")
@@ -55,9 +65,11 @@ def main(source: str, target: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({w for s in points.values() for w, _ in s}))
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_title(f"gradmap.tmap, threads and processes, {cores} cores")
+    when = [date.group(1)] if date else []
+    when += [f"torch {torch.group(1)}"] if torch else []
+    ax.set_title(f"gradmap.tmap, threads and processes, {cores} cores\n({', '.join(when)})")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="x-small", ncol=2)
+    ax.legend(fontsize="small", loc="upper left")
     fig.tight_layout()
     fig.savefig(target, metadata={"Date": None})
     plt.close(fig)
