@@ -16,7 +16,7 @@ Then, for ``tmap-proc`` and ``tsum-proc``, the caller's own time per call, read 
 gradmap's internal functions (so this script follows them as they change): pickling ``f``,
 checking the kept items of every chunk, reading the workers' answers, its own chunks (how many
 of the map's, and their seconds), and waiting for a worker. The speed-ups that matter are in
-``gradmap bench``; this says where the difference to two plain processes goes (README, "Speed").
+``gradmap bench``; this says where the difference to two plain processes goes (docs/performance.md).
 
 Run: ``python benchmarks/processes_costs.py [--workload NAME] [--reps K]``.
 """

@@ -291,7 +291,7 @@ def draw(rng: random.Random, executor: str) -> dict[str, Any]:
         "executor": executor,
     }
     if program["f"] == "global-method" and executor == "processes":
-        program["f"] = "module"  # a worker's globals are its own (README: what f sees)
+        program["f"] = "module"  # a worker's globals are its own (docs/executors.md: what f sees)
     return program
 
 

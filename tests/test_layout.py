@@ -3,8 +3,8 @@ layer to a higher one.
 
 Every import counts, wherever it stands: at the top of a module, inside a function (the lazy
 imports of optional backends), under ``TYPE_CHECKING``. The layers, bottom to top, are those the
-README's ARCHITECTURE section draws; a module belongs to the layer of the longest prefix that
-names it.
+architecture page draws (``docs/architecture.md``); a module belongs to the layer of the longest
+prefix that names it.
 """
 
 from __future__ import annotations

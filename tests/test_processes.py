@@ -930,7 +930,7 @@ def test_random_f_under_no_grad_draws_as_threads_run_after_run(ex):
 def test_the_callers_tensors_are_left_as_they_were(ex):
     """Items, plain and requiring grad: after maps on processes, the caller's tensors can still
     be resized (numpy's view of a tensor, which pickling used, marks its storage not resizable
-    for good), as after the loop. (Tensors f refers to move to shared memory, as the README
+    for good), as after the loop. (Tensors f refers to move to shared memory, as docs/executors.md
     says.)"""
     c = torch.randn(3)
     xs = [torch.randn(3) for _ in range(6)] + [torch.randn(3, 2)[:, 0], torch.randn(3).conj()]

@@ -65,8 +65,9 @@ def available_cores() -> int:
 class Executor:
     """The protocol gradmap runs chunks on.
 
-    Subclasses set the capability attributes and implement [`submit`][]. ``workers`` is the number
-    of threads, the caller's included, that may run chunks of one map at once.
+    Subclasses set the capability attributes and implement
+    [`submit`][gradmap.Executor.submit]. ``workers`` is the number of threads, the caller's
+    included, that may run chunks of one map at once.
 
     Attributes:
         shares_memory: chunks run in the caller's process, so a chunk's autograd graph can stay
