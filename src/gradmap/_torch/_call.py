@@ -15,7 +15,7 @@ import torch
 from .._engine import ChunkRun, run_chunks
 from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
 from .._items import Singles
-from .._placement import Placement, placement_for
+from .._placement import Placement, placement_for, tell_of_processes
 from .._progress import open_progress
 from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
@@ -65,6 +65,7 @@ class MapCall:
             # early] in ``_remote/_map``, is timed apart)
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
+        tell_of_processes(f, self.placement, api)  # NOTE [telling of processes]
         self.known: Known | None = None
         self._before: tuple[list[torch.Tensor], set[int]] | None = None  # ``made_before``'s
         self._before_lock = threading.Lock()
