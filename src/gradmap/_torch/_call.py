@@ -19,6 +19,7 @@ from .._placement import Placement, placement_for, tell_of_processes
 from .._progress import open_progress
 from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
+from ._cuda import pass_streams
 from ._graph import Known, check_versions, leaves_before, modules_of, versions_used
 from ._native import native
 from ._random import MapRandom, guard_rng_forks, moved_by
@@ -94,13 +95,17 @@ class MapCall:
         plan = self.plan
         bar = open_progress(self.progress, phase, plan.n, self.api)
         on_done = None if bar is None else (lambda k: bar.update(len(range(*plan.bounds(k)))))
+        context = context or self.state.enter
+        cuda = pass_streams()  # NOTE [CUDA streams on the pool's threads]
+        if cuda is not None:
+            run_chunk, context = cuda.chunk(run_chunk), cuda.context(context)
         try:
             return run_chunks(
                 executor or self.executor,
                 plan.count,
                 run_chunk,
                 reverse=reverse,
-                context=context or self.state.enter,
+                context=context,
                 on_done=on_done,
             )
         finally:
