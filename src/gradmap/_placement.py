@@ -57,10 +57,18 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Placement", "caller_seconds", "key_of", "learn_caller_seconds", "placement_for"]
+__all__ = [
+    "Placement",
+    "caller_seconds",
+    "key_of",
+    "learn_caller_seconds",
+    "placement_for",
+    "tell_of_processes",
+]
 
 FASTER = 0.9
 EXPLORE = 4  # calls after the first: pool, one thread, pool, one thread
@@ -172,6 +180,13 @@ class Placement:
             history.one = history.many = None
 
     @property
+    def held_by_gil(self) -> bool:
+        """Whether this map's forward runs in one thread because the pool was measured to be no
+        faster (a chosen side, not a measuring turn; not a forced one)."""
+        history = self._history
+        return self._watch and not self.many and history is not None and history.parallel is False
+
+    @property
     def seeds_each(self) -> bool:
         """Whether a forward in one thread seeds every element: unless ``f``'s first call, which
         seeded each, saw it draw nothing (NOTE [random numbers per element])."""
@@ -233,6 +248,51 @@ def placement_for(f: Any, *, forced_many: bool, forced_one: bool, kind: Any = No
                 history.one = history.many = None  # measured afresh
             return Placement(turn % 2 == 0, history, True)
     return Placement(bool(history.parallel), history, False, watch=True)
+
+
+#: More cores than this, and a forward held by the GIL: say that processes would use them.
+MANY_CORES = 4
+_told: set[Any] = set()  # ``key_of(f)`` of the functions told (NOTE [telling of processes])
+
+
+def tell_of_processes(f: Any, placement: Placement, api: str) -> None:
+    """NOTE [telling of processes]: where placement keeps a default map's forwards in one thread
+    because the pool was measured to be no faster (the GIL holds ``f``'s forward) and this
+    process may use more than ``MANY_CORES`` cores, say once per ``f`` (``key_of``) in one
+    warning that ``executor="processes"`` would run the forwards on the other cores. gradmap
+    does not switch by itself: processes do not keep every guarantee of threads (``f`` and the
+    items must pickle; no ``create_graph=True`` backward; what ``f`` changes in its own objects
+    stays in the worker), so the user chooses, after ``gradmap.compare(f, items)``."""
+    if not placement.held_by_gil:
+        return
+    from . import _executors  # looked up at the call: the tests set the cores
+
+    cores = _executors.available_cores()
+    key = key_of(f)
+    with _lock:
+        if cores <= MANY_CORES or key in _told:
+            return
+        if len(_told) >= _MAX_HISTORY:
+            _told.clear()
+        _told.add(key)
+    warnings.warn(
+        f"{api}: f's forward is held by the GIL (measured: it ran no faster on the thread pool "
+        f"than in one thread), so its forwards run in one thread while this process may use "
+        f"{cores} cores; executor='processes' would run them on the other cores (f and the "
+        "items must pickle, no create_graph backward, what f changes in its own objects stays "
+        "in the worker): print(gradmap.compare(f, items)) times both on your f. Said once per f.",
+        RuntimeWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning that names the first line outside gradmap."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def caller_seconds(f: Any, api: str) -> float | None:

@@ -15,10 +15,11 @@ import torch
 from .._engine import ChunkRun, run_chunks
 from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
 from .._items import Singles
-from .._placement import Placement, key_of, placement_for
+from .._placement import Placement, key_of, placement_for, tell_of_processes
 from .._progress import open_progress
 from .._request import MapRequest
 from ._chunk import ChunkRecord, run_forward
+from ._cuda import pass_streams
 from ._graph import Known, check_versions, leaves_before, modules_of, versions_used
 from ._native import native
 from ._random import MapRandom, guard_rng_forks, moved_by
@@ -66,6 +67,7 @@ class MapCall:
             # early] in ``_remote/_map``, is timed apart)
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
+        tell_of_processes(f, self.placement, api)  # NOTE [telling of processes]
         #: Watches the first forward for process-wide state (NOTE [process-wide state f writes]).
         self.watch = Watch() if self.placement.first and executor.workers > 1 else None
         self.known: Known | None = None
@@ -98,13 +100,17 @@ class MapCall:
         plan = self.plan
         bar = open_progress(self.progress, phase, plan.n, self.api)
         on_done = None if bar is None else (lambda k: bar.update(len(range(*plan.bounds(k)))))
+        context = context or self.state.enter
+        cuda = pass_streams()  # NOTE [CUDA streams on the pool's threads]
+        if cuda is not None:
+            run_chunk, context = cuda.chunk(run_chunk), cuda.context(context)
         try:
             return run_chunks(
                 executor or self.executor,
                 plan.count,
                 run_chunk,
                 reverse=reverse,
-                context=context or self.state.enter,
+                context=context,
                 on_done=on_done,
                 last_wins=last_wins,
             )

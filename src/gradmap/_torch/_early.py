@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .._engine import ChunkRun, run_pipeline
+from .._engine import ChunkRun, ThreadContext, run_pipeline
 from .._join import JoinLayout, OrderedSum
 from .._progress import open_progress
 from ._call import MapCall
@@ -60,6 +60,7 @@ from ._chunk import (
     pull_back_sum,
     run_forward,
 )
+from ._cuda import pass_streams
 from ._graph import batched, hooked
 from ._random import MapRandom
 from ._state import ThreadState
@@ -270,15 +271,24 @@ def forward_pulled_back(
                 bar.update(len(range(*plan.bounds(k))))
             return record
 
+        def consume(k: int, record: ChunkRecord) -> ChunkRecord:
+            return early(k, record, pulled)
+
+        context: ThreadContext = backward_state.enter
+        produce_context: ThreadContext = call.state.enter
+        cuda = pass_streams()  # NOTE [CUDA streams on the pool's threads]
+        if cuda is not None:
+            produce, consume = cuda.chunk(produce), cuda.chunk(consume)
+            context, produce_context = cuda.context(context), cuda.context(produce_context)
         try:
             with call.random.seeding():
                 return run_pipeline(
                     call.executor,
                     plan.count,
                     produce,
-                    lambda k, record: early(k, record, pulled),
-                    context=backward_state.enter,
-                    produce_context=call.state.enter,
+                    consume,
+                    context=context,
+                    produce_context=produce_context,
                 )
         finally:
             drop_pulled()
