@@ -82,25 +82,26 @@ class Clip(torch.autograd.Function):
 DRAWN_ERRORS = (IndexError, ValueError, KeyError)
 
 
-def _drawn_error(x: torch.Tensor, where: str) -> Exception:
-    """The error of the element whose item is ``x``: its type and message from the item's sum
+def _drawn_error(total: float, where: str) -> Exception:
+    """The error of the element whose item sums to ``total``: its type and message from the sum
     (the same bits in the loop and in gradmap)."""
-    total = float(x.detach().sum())
     kind = DRAWN_ERRORS[int(abs(total) * 1000) % len(DRAWN_ERRORS)]
     return kind(f"drawn failure in the {where} of the element of sum {total:.12f}")
 
 
 class RaiseInBackward(torch.autograd.Function):
-    """The identity, whose backward raises the element's drawn error."""
+    """The identity, whose backward raises the element's drawn error (made there: an exception
+    kept on ``ctx`` would hold its traceback's frames, and they the graph, in a cycle through the
+    graph's nodes that no collection breaks)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.error = _drawn_error(x, "backward")
+        ctx.total = float(x.detach().sum())
         return h.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        raise ctx.error
+        raise _drawn_error(ctx.total, "backward")
 
 
 def _clip_hook(g: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ def body(
     fail = program.get("fail")
     failing = fail is not None and float(x.detach().sum()) > fail["above"]
     if failing and fail["where"] == "forward":
-        raise _drawn_error(x, "forward")
+        raise _drawn_error(float(x.detach().sum()), "forward")
     h = torch.tanh(x * p0)  # (rows, 3)
     for op in program["ops"]:
         if op == "pre" and pre is not None:
