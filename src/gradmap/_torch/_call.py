@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import _executors
 from .._engine import ChunkRun, run_chunks
 from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
 from .._items import Singles
@@ -66,7 +67,8 @@ class MapCall:
             # early] in ``_remote/_map``, is timed apart)
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
-        tell_of_processes(f, self.placement, api)  # NOTE [telling of processes]
+        # NOTE [telling of processes] (the cores looked up at the call: tests set them)
+        tell_of_processes(f, self.placement, api, _executors.available_cores())
         self.known: Known | None = None
         self._before: tuple[list[torch.Tensor], set[int]] | None = None  # ``made_before``'s
         self._before_lock = threading.Lock()
