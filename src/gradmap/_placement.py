@@ -255,19 +255,16 @@ MANY_CORES = 4
 _told: set[Any] = set()  # ``key_of(f)`` of the functions told (NOTE [telling of processes])
 
 
-def tell_of_processes(f: Any, placement: Placement, api: str) -> None:
+def tell_of_processes(f: Any, placement: Placement, api: str, cores: int) -> None:
     """NOTE [telling of processes]: where placement keeps a default map's forwards in one thread
     because the pool was measured to be no faster (the GIL holds ``f``'s forward) and this
-    process may use more than ``MANY_CORES`` cores, say once per ``f`` (``key_of``) in one
-    warning that ``executor="processes"`` would run the forwards on the other cores. gradmap
+    process may use more than ``MANY_CORES`` cores (``cores``), say once per ``f`` (``key_of``)
+    in one warning that ``executor="processes"`` would run the forwards on the other cores. gradmap
     does not switch by itself: processes do not keep every guarantee of threads (``f`` and the
     items must pickle; no ``create_graph=True`` backward; what ``f`` changes in its own objects
     stays in the worker), so the user chooses, after ``gradmap.compare(f, items)``."""
     if not placement.held_by_gil:
         return
-    from . import _executors  # looked up at the call: the tests set the cores
-
-    cores = _executors.available_cores()
     key = key_of(f)
     with _lock:
         if cores <= MANY_CORES or key in _told:

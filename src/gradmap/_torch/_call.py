@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import _executors
 from .._engine import ChunkRun, run_chunks
 from .._executors import Executor, FuturesExecutor, SerialExecutor, ThreadExecutor
 from .._items import Singles
@@ -67,7 +68,8 @@ class MapCall:
             # early] in ``_remote/_map``, is timed apart)
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
-        tell_of_processes(f, self.placement, api)  # NOTE [telling of processes]
+        # NOTE [telling of processes] (the cores looked up at the call: tests set them)
+        tell_of_processes(f, self.placement, api, _executors.available_cores())
         #: Watches the first forward for process-wide state (NOTE [process-wide state f writes]).
         self.watch = Watch() if self.placement.first and executor.workers > 1 else None
         self.known: Known | None = None
