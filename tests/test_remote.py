@@ -524,22 +524,24 @@ def test_exception_in_forward_names_the_element(remote, ex, error):
 
 
 class _FailingBackward(torch.autograd.Function):
+    """The identity, whose backward raises ``ArithmeticError(message)`` (``None``: does not)."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
-        ctx.fail = fail
+    def forward(ctx: Any, x: torch.Tensor, message: str | None) -> torch.Tensor:
+        ctx.message = message
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.fail:
-            raise ArithmeticError("bad backward")
+        if ctx.message is not None:
+            raise ArithmeticError(ctx.message)
         return g, None
 
 
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_exception_in_backward_names_the_element(remote, ex, api):
     xs = ragged()
-    f = lambda i, x: _FailingBackward.apply(x, i == 4).sum()  # noqa: E731
+    f = lambda i, x: _FailingBackward.apply(x, "bad backward" if i == 4 else None).sum()  # noqa: E731
     if api == "tmap":
         loss = torch.stack(gradmap.tmap(f, range(10), xs, executor=ex, chunksize=3)).sum()
         with pytest.raises(ArithmeticError, match="bad backward") as info:
@@ -583,17 +585,6 @@ def test_the_forward_raises_the_lowest_failing_elements_error_though_a_later_one
     works(ex)
 
 
-class _FailingBackwardOf(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, i: int) -> torch.Tensor:
-        ctx.i = i
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        raise ArithmeticError(f"backward of element {ctx.i}")
-
-
 @pytest.mark.parametrize("chunksize", [1, 3])
 def test_backward_errors_of_several_elements_raise_the_loops(remote, ex, chunksize):
     """The loop's backward runs the elements made last first: its error is element 10's (NOTE
@@ -601,7 +592,7 @@ def test_backward_errors_of_several_elements_raise_the_loops(remote, ex, chunksi
     xs = ragged(12)
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:
-        return (_FailingBackwardOf.apply(x, i) if i in (3, 10) else x).sum()
+        return (_FailingBackward.apply(x, f"backward of element {i}") if i in (3, 10) else x).sum()
 
     with pytest.raises(ArithmeticError) as loop_error:
         torch.stack(loop(f, range(12), xs)).sum().backward()
