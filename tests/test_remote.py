@@ -548,7 +548,8 @@ def test_exception_in_backward_names_the_element(remote, ex, api):
             loss.backward()
         del loss
     else:
-        # tsum pulls a chunk of losses back during the forward: the error may come from either.
+        # tsum pulls a chunk of losses back during the forward; one whose pullback fails is kept
+        # and pulled back in the backward, which raises (NOTE [the error of the loop's element]).
         with pytest.raises(ArithmeticError, match="bad backward") as info:
             gradmap.tsum(f, range(10), xs, executor=ex, chunksize=3).backward()
     assert type(info.value) is ArithmeticError
