@@ -98,6 +98,7 @@ def test_docstring_example_failure_is_seen():
 
 
 def test_api_page_renders_every_public_name():
+    pytest.importorskip("jax")  # (gradmap.jax's maps are among the names)
     page = (ROOT / "docs" / "api.md").read_text()
     rendered = set(re.findall(r"^::: (\S+)$", page, re.M))
     missing = [name for name, _ in public_objects() if name not in rendered]

@@ -327,3 +327,32 @@ def test_placement_seeds_each_element_until_f_is_seen_to_draw_nothing():
     assert not placement_for(quiet, forced_many=False, forced_one=True).seeds_each
     placement_for(noisy, forced_many=False, forced_one=False).learned_random(True)
     assert placement_for(noisy, forced_many=False, forced_one=False).seeds_each
+
+
+def test_last_wins_waits_for_the_chunks_after_a_failure_not_yet_claimed():
+    """A backward pass (``last_wins``) reports the highest failing chunk's error: after a failure
+    in chunk 0, the caller's wait must not end while chunk 1 is still to be claimed -- in the
+    moment between a helper's failing chunk and its next claim no other thread holds a chunk
+    (on free-threaded CPython the caller woke there and raised chunk 0's error)."""
+    from contextlib import nullcontext
+
+    from gradmap._engine import ChunkRun
+
+    def fail(k, _run):  # type: ignore[no-untyped-def]
+        raise ValueError(f"chunk {k}")
+
+    run = ChunkRun(range(2), fail, last_wins=True)
+    first = threading.Thread(target=lambda: run._run_one(run._claim()))  # chunk 0, then stops
+    first.start()
+    first.join()
+    waiter = threading.Thread(target=run.wait)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "the wait ended with chunk 1 still to run"
+    rest = threading.Thread(target=run.work, args=(nullcontext(),))
+    rest.start()
+    rest.join()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    with pytest.raises(ValueError, match="chunk 1"):
+        run.finish()

@@ -162,7 +162,9 @@ class ChunkRun(Generic[T]):
 
     def wait(self) -> None:
         """Wait until every chunk is done or, after a failure, until the chunks other threads
-        claimed are."""
+        claimed are, and no chunk on the near side of the failure is left to claim (with
+        ``last_wins``, the chunks after the failing one still run: their error is the one
+        reported)."""
         me = threading.get_ident()
         count = len(self._order)
         with self._cond:
@@ -171,11 +173,15 @@ class ChunkRun(Generic[T]):
                     others = sum(
                         n - self._done_by.get(t, 0) for t, n in self._claimed_by.items() if t != me
                     )
-                    if others <= 0:
+                    if others <= 0 and (self._halted or not self._claimable()):
                         return
                 elif self._done >= count:
                     return
                 self._cond.wait()
+
+    def _claimable(self) -> bool:
+        """Whether a chunk not claimed yet is still to run (under ``_cond``)."""
+        return any(not self._beyond(c) for c in self._order[self._next :])
 
     def finish(self) -> list[T]:
         """The results in chunk order, or the first failure raised; then forget everything."""
