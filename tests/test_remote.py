@@ -606,18 +606,6 @@ def test_backward_errors_of_several_elements_raise_the_loops(remote, ex, chunksi
     remote.no_state_left()
 
 
-class _Unreached(torch.autograd.Function):
-    """The identity, whose backward raises: the backward of an element the loop's never runs."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("the backward of an element that reaches no input asked for ran")
-
-
 @pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("api", ["tmap", "tsum"])
 def test_a_backward_runs_no_element_that_reaches_none_of_its_inputs(remote, ex, api, remat):
@@ -633,7 +621,8 @@ def test_a_backward_runs_no_element_that_reaches_none_of_its_inputs(remote, ex, 
 
     def f(i: int, x: torch.Tensor) -> torch.Tensor:
         if i % 3 == 0:
-            return _Unreached.apply(x * b).sum()  # reaches b only
+            unreached = "the backward of an element that reaches no input asked for ran"
+            return _FailingBackward.apply(x * b, unreached).sum()  # reaches b only
         return (x * a * b).sum() if i % 3 == 1 else (x * a).sum()
 
     (want,) = torch.autograd.grad(torch.stack(loop(f, range(10), xs)).sum(), [a])
