@@ -68,6 +68,7 @@ __all__ = [
     "learn_caller_seconds",
     "placement_for",
     "tell_of_processes",
+    "user_stacklevel",
 ]
 
 FASTER = 0.9
@@ -279,11 +280,11 @@ def tell_of_processes(f: Any, placement: Placement, api: str, cores: int) -> Non
         "items must pickle, no create_graph backward, what f changes in its own objects stays "
         "in the worker): print(gradmap.compare(f, items)) times both on your f. Said once per f.",
         RuntimeWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` of a warning that names the first line outside gradmap."""
     package = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(1), 1

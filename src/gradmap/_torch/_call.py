@@ -68,8 +68,9 @@ class MapCall:
             # early] in ``_remote/_map``, is timed apart)
             kind=(api, remat, torch.is_grad_enabled(), len(elements).bit_length(), early),
         )
-        # NOTE [telling of processes] (the cores looked up at the call: tests set them)
-        tell_of_processes(f, self.placement, api, _executors.available_cores())
+        # NOTE [telling of processes]: the cores looked up only where it may tell (a syscall)
+        if self.placement.held_by_gil:
+            tell_of_processes(f, self.placement, api, _executors.available_cores())
         #: Watches the first forward for process-wide state (NOTE [process-wide state f writes]).
         self.watch = Watch() if self.placement.first and executor.workers > 1 else None
         self.known: Known | None = None

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from .._placement import user_stacklevel
+
 __all__ = ["Watch", "warn_shared"]
 
 _SIZED = frozenset({list, dict, set, collections.deque, collections.OrderedDict})
@@ -215,15 +217,5 @@ def warn_shared(key: Any, api: str, found: str) -> None:
         "parallel after the forward. For forwards in parallel, use executor='processes' "
         "(each worker a process of its own).",
         RuntimeWarning,
-        stacklevel=_user_level(),
+        stacklevel=user_stacklevel(),
     )
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` of the first frame outside gradmap (the user's call of the map)."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("gradmap"):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
